@@ -1,0 +1,23 @@
+"""hsdp-grpo: compose a config with Hydra, validate it, start the torchrun workers.
+
+    python launch.py parallel=hsdp_r2s2 device=cpu        # 4 ranks: 2 replica groups x 2-way shards
+    python launch.py parallel=hsdp_r2s4 model=qwen3_4b dry_run=true   # the plan, nothing started
+    python launch.py --help                               # config groups and their presets
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+from launcher.main import run
+from launcher.schema import register
+
+register()
+
+
+@hydra.main(version_base=None, config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> int:
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""`dry_run=true`: the plan of a run, from the config alone (no process, no weights).
+
+Memory and traffic come from the model's parameter count and the mixed-precision policy:
+
+- sharded over the S ranks of a shard group: fp32 master parameters, fp32 gradients (FSDP2
+  keeps gradients in the sharded parameters' dtype) and AdamW's two fp32 moments;
+- unsharded, per rank: the rollout engine's own copy of the weights in the compute dtype,
+  and the largest decoder layer gathered for compute (two in flight with prefetch);
+- the frozen reference, sharded like the policy in the compute dtype, when rl.kl_coef > 0.
+
+Traffic per rank, counting bytes sent with ring algorithms: an all-gather or
+reduce-scatter of N bytes over S ranks sends (S-1)/S * N, an all-reduce of N bytes over R
+ranks sends 2 (R-1)/R * N. Each forward/backward pass all-gathers the parameters twice
+(forward, then again in backward, since blocks reshard after forward) and reduce-scatters
+the gradients once inside the shard group; the all-reduce across replicas runs once per
+optimizer step (micro-batches before the last skip it), on the 1/S shard of the gradients.
+Activations are not estimated: they depend on sequence lengths and micro-batch size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from launcher.schema import ArchConfig, Config
+from launcher.validate import local_model_dir, resolve_device, world_size
+
+GIB = 1024**3
+
+
+@dataclass
+class ParamCounts:
+    total: int
+    per_layer: int
+    embedding: int
+
+
+def arch_from_model_dir(cfg: Config) -> ArchConfig:
+    """The architecture: model.path's config.json when it is on this machine, else model.arch."""
+    folder = local_model_dir(cfg.model.path)
+    if folder is None:
+        return cfg.model.arch
+    hf = json.loads((folder / "config.json").read_text())
+    fields = {k: hf[k] for k in ArchConfig.__dataclass_fields__ if k in hf}
+    if "rope_theta" not in hf and isinstance(hf.get("rope_parameters"), dict):
+        fields["rope_theta"] = hf["rope_parameters"].get("rope_theta", cfg.model.arch.rope_theta)
+    if "head_dim" not in hf:
+        fields["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
+    return ArchConfig(**{**cfg.model.arch.__dict__, **fields})
+
+
+def count_params(a: ArchConfig) -> ParamCounts:
+    h, hd = a.hidden_size, a.head_dim
+    attn = h * a.num_attention_heads * hd * 2 + h * a.num_key_value_heads * hd * 2 + 2 * hd
+    mlp = 3 * h * a.intermediate_size
+    per_layer = attn + mlp + 2 * h
+    embedding = a.vocab_size * h
+    total = embedding * (1 if a.tie_word_embeddings else 2) + a.num_hidden_layers * per_layer + h
+    return ParamCounts(total, per_layer, embedding)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def fmt_count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def ranks_str(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def mesh_groups(r: int, s: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Shard groups (rows: contiguous ranks) and replica groups (columns) of the r x s mesh."""
+    shard = [[i * s + j for j in range(s)] for i in range(r)]
+    replica = [[i * s + j for i in range(r)] for j in range(s)]
+    return shard, replica
+
+
+def plan(cfg: Config, visible_gpus: int) -> str:
+    p = cfg.parallel
+    world, r, s = world_size(cfg), p.dp_replicate_size, p.dp_shard_size
+    device = resolve_device(cfg.device, visible_gpus)
+    arch = arch_from_model_dir(cfg)
+    counts = count_params(arch)
+    compute = {"auto": 2 if device == "cuda" else 4, "bf16": 2, "fp32": 4}[cfg.model.param_dtype]
+    reduce = {"fp32": 4, "bf16": 2}[cfg.model.reduce_dtype]
+    n = counts.total
+    node_of = lambda rank: rank // p.nproc_per_node  # noqa: E731
+
+    out = [
+        f"hsdp-grpo plan: {cfg.model.name} ({fmt_count(n)} parameters), parallel "
+        f"r{r} x s{s} on {p.nnodes} node(s) x {p.nproc_per_node} rank(s) = world {world}, device {device}",
+        f"dtypes: master fp32, compute {'bf16' if compute == 2 else 'fp32'}, reduce {cfg.model.reduce_dtype}",
+        "",
+        "fsdp mesh (dp_replicate x dp_shard): a shard group is one row of contiguous ranks",
+    ]
+    shard, replica = mesh_groups(r, s)
+    rows = []
+    for i, ranks in enumerate(shard):
+        nodes = sorted({node_of(x) for x in ranks})
+        rows.append([f"replica {i}", ranks_str(ranks), ",".join(map(str, nodes))])
+    out.append(table(["dp_replicate", "shard group ranks", "node(s)"], rows))
+    if any(len({node_of(x) for x in g}) > 1 for g in shard):
+        out.append("warning: a shard group spans nodes; its all-gathers cross the slow link (make dp_shard_size divide nproc_per_node)")
+    if r > 1:
+        out.append("replica groups (all-reduce across replicas): " + "  ".join(f"[{ranks_str(g)}]" for g in replica))
+
+    sharded = n / s
+    mem = [
+        ["parameters (fp32 master, sharded)", fmt_bytes(4 * sharded)],
+        ["gradients (fp32, sharded)", fmt_bytes(4 * sharded)],
+        ["AdamW moments (2 x fp32, sharded)", fmt_bytes(8 * sharded)],
+        [f"largest layer gathered x2 ({'bf16' if compute == 2 else 'fp32'})",
+         fmt_bytes(2 * compute * max(counts.per_layer, counts.embedding))],
+        [f"rollout engine weights ({'bf16' if compute == 2 else 'fp32'}, full copy)", fmt_bytes(compute * n)],
+    ]
+    total = 16 * sharded + 2 * compute * max(counts.per_layer, counts.embedding) + compute * n
+    if cfg.rl.kl_coef > 0:
+        mem.append(["reference model (compute dtype, sharded)", fmt_bytes(compute * sharded)])
+        total += compute * sharded
+    mem.append(["total before activations and KV cache", fmt_bytes(total)])
+    out += ["", "memory per rank", table(["what", "bytes"], mem)]
+
+    ag = 2 * (s - 1) / s * n * compute
+    rs = (s - 1) / s * n * reduce
+    ar = 2 * (r - 1) / r * (n / s) * reduce if r > 1 else 0.0
+    sync = (s - 1) / s * n * compute
+    local_responses = cfg.rl.prompts_per_step * cfg.rl.samples_per_prompt // max(world // p.cp_size, 1)
+    micro = -(-local_responses // cfg.rl.micro_batch_responses) if local_responses else 1
+    traffic = [
+        ["all-gather params (fwd + bwd)", f"shard group ({s})", fmt_bytes(ag), fmt_bytes(ag * micro)],
+        ["reduce-scatter grads", f"shard group ({s})", fmt_bytes(rs), fmt_bytes(rs * micro)],
+        ["all-reduce grad shards", f"replicas ({r})", "-", fmt_bytes(ar)],
+        ["gather for rollout weight sync", f"shard group ({s})", "-", fmt_bytes(sync)],
+    ]
+    out += [
+        "",
+        f"bytes sent per rank ({micro} micro-batch(es) of <= {cfg.rl.micro_batch_responses} responses per optimizer step)",
+        table(["collective", "group", "per fwd/bwd", "per optimizer step"], traffic),
+        "",
+        "activations and KV cache are not included; see docs/configuration.md for the knobs.",
+    ]
+    return "\n".join(out)

@@ -1,0 +1,194 @@
+"""The typed config: the one source of truth for every key.
+
+YAML files under `conf/` choose values for these fields; they cannot add keys (Hydra merges
+them into these dataclasses in struct mode). Each field's comment is its documentation:
+`docs/configuration.md` is generated from this file (`python scripts/gen_config_docs.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ParallelConfig:
+    # Replica groups R: the gradient all-reduce crosses them, parameters are not sharded over them.
+    dp_replicate_size: int = 1
+    # Shard group size S: ranks one parameter is sharded over (all-gather / reduce-scatter stay inside).
+    dp_shard_size: int = 1
+    # Context-parallel size; only 1 is implemented, the mesh view exists for later.
+    cp_size: int = 1
+    # Nodes in the job; each runs one launcher and one torchrun agent.
+    nnodes: int = 1
+    # Worker processes (GPUs) per node.
+    nproc_per_node: int = 1
+    # host:port of the c10d rendezvous; required when nnodes > 1.
+    rdzv_endpoint: Optional[str] = None
+    # Rendezvous id shared by the nodes of one job.
+    rdzv_id: str = "hsdp-grpo"
+
+
+@dataclass
+class ArchConfig:
+    # The Qwen3 architecture, used for `model.init=random` and for the dry-run plan when no
+    # config.json is at `model.path`.
+    num_hidden_layers: int = 2
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    vocab_size: int = 259
+    tie_word_embeddings: bool = True
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+
+
+@dataclass
+class ModelConfig:
+    # Preset name (informational; set by the conf/model file).
+    name: str = "qwen3_tiny"
+    # Local folder or hub id for `from_pretrained`; null builds `model.arch` with the shipped tokenizer.
+    path: Optional[str] = None
+    # `pretrained` (weights from model.path) | `random` (architecture only, seeded init).
+    init: str = "random"
+    # Tokenizer folder or hub id; null: model.path's, else the shipped byte-level one.
+    tokenizer_path: Optional[str] = None
+    arch: ArchConfig = field(default_factory=ArchConfig)
+    # Dtype of parameters in forward/backward: `auto` (bf16 on cuda, fp32 on cpu) | `bf16` | `fp32`.
+    param_dtype: str = "auto"
+    # Dtype of gradient reduce-scatter / all-reduce: `fp32` | `bf16`.
+    reduce_dtype: str = "fp32"
+    # Attention kernel passed to transformers: `sdpa` | `eager` | `flash_attention_2`.
+    attn_implementation: str = "sdpa"
+    # Run code shipped with a hub model. Off unless you trust the repository.
+    trust_remote_code: bool = False
+
+
+@dataclass
+class DataConfig:
+    # `synthetic` (shipped digit-echo task) | `gsm8k` (datasets: hub id or local parquet/jsonl).
+    name: str = "synthetic"
+    # gsm8k: hub id or local .parquet / .jsonl / .json file; ignored by synthetic.
+    path: Optional[str] = None
+    # gsm8k: dataset config name on the hub (`main` for openai/gsm8k).
+    hub_config: Optional[str] = None
+    split: str = "train"
+    question_key: str = "question"
+    answer_key: str = "answer"
+    # Wrap each prompt with the tokenizer's chat template.
+    chat_template: bool = False
+    # Optional system message (only with chat_template).
+    system_prompt: Optional[str] = None
+    # Text appended to every question (e.g. an instruction about the answer format).
+    prompt_suffix: str = ""
+    # Reward functions by registered name and their weights; the reward is the weighted sum.
+    rewards: dict[str, float] = field(default_factory=lambda: {"digit_echo": 1.0})
+    # synthetic: number of prompts generated, and digits per prompt.
+    num_examples: int = 4096
+    num_digits: int = 4
+
+
+@dataclass
+class RLConfig:
+    # Preset name (informational; set by the conf/rl file).
+    name: str = "grpo"
+    # Prompts per step over the whole data-parallel domain (split over all R*S ranks).
+    prompts_per_step: int = 16
+    # Responses sampled per prompt: one GRPO group.
+    samples_per_prompt: int = 8
+    # Optimizer steps per rollout batch; 1 is on-policy.
+    updates_per_step: int = 1
+    # Responses per forward/backward on one rank (memory knob; does not change the gradient).
+    micro_batch_responses: int = 16
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # Divide advantages by the group std (off = Dr. GRPO).
+    std_normalize: bool = True
+    adv_eps: float = 1e-6
+    # Ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO clip-higher when clip_high > clip_low).
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    # KL penalty to a frozen reference; the reference is built only when > 0.
+    kl_coef: float = 0.0
+    # `k1` | `k2` | `k3` (k3 = low-variance KL).
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    # `token_mean` | `seq_mean_token_mean` | `seq_mean_token_sum_norm` (sum / max_new_tokens).
+    loss_agg: str = "token_mean"
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    # Clip the global norm of the sharded gradients; 0 disables clipping (norm still logged).
+    max_grad_norm: float = 1.0
+    # `constant` | `cosine` (linear warmup, then cosine to min_lr_ratio * lr).
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class TrainerConfig:
+    # GRPO steps (rollout + updates) to run.
+    max_steps: int = 50
+    seed: int = 0
+    # Use deterministic algorithms (bit-for-bit reproducible runs; slower on GPU).
+    deterministic: bool = False
+    # End each worker after one forward/backward check of the sharded model (no GRPO).
+    smoke_test: bool = False
+
+
+@dataclass
+class LoggerConfig:
+    # `wandb` | `none` (metrics.jsonl is always written).
+    backend: str = "wandb"
+    # W&B mode: `offline` (a run folder for `wandb sync`) | `online` | `disabled`.
+    mode: str = "offline"
+    project: str = "hsdp-grpo"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    name: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    parallel: ParallelConfig = MISSING
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    rl: RLConfig = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = MISSING
+    # `auto` (cuda if visible, else cpu) | `cuda` | `cpu`.
+    device: str = "auto"
+    # Print the plan (mesh, memory, traffic) and exit without starting a process.
+    dry_run: bool = False
+    # Filled in by the launcher: where this run writes config, logs and metrics.
+    run_dir: Optional[str] = None
+
+
+def register() -> None:
+    """Register the schema so `conf/config.yaml` and every group file are checked against it."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, node in {
+        "parallel": ParallelConfig,
+        "model": ModelConfig,
+        "data": DataConfig,
+        "rl": RLConfig,
+        "logger": LoggerConfig,
+    }.items():
+        cs.store(group=group, name="schema", node=node)

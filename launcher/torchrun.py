@@ -1,0 +1,72 @@
+"""Start `torch.distributed.run` for one node, stream rank 0, report a failing rank.
+
+Each worker writes `logs/rank_{N}.log` in the run directory (rank 0 also prints to the
+console); torchrun's own lines and rank 0's output reach this process on one pipe, which
+is echoed here and kept in `logs/launcher.log`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from launcher.schema import Config
+
+FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+TAIL_LINES = 20
+
+
+def torchrun_command(cfg: Config, config_path: Path) -> list[str]:
+    p = cfg.parallel
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={p.nnodes}",
+           f"--nproc-per-node={p.nproc_per_node}", "--max-restarts=0"]
+    if p.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={p.rdzv_endpoint}", f"--rdzv-id={p.rdzv_id}"]
+    return [*cmd, "-m", "trainer.main", str(config_path)]
+
+
+def worker_env(cfg: Config) -> dict[str, str]:
+    env = dict(os.environ)
+    threads = max(1, (os.cpu_count() or 1) // cfg.parallel.nproc_per_node)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # Workers import this checkout even when it is not pip-installed.
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def describe_failure(output: str, run_dir: Path, code: int) -> str:
+    match = FAILED_RANK.search(output)
+    if not match:
+        return f"error: the workers exited with code {code}; logs are in {run_dir / 'logs'}"
+    rank, exitcode = int(match[1]), int(match[2])
+    cause = f"killed by signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
+    log = run_dir / "logs" / f"rank_{rank}.log"
+    lines = log.read_text(errors="replace").splitlines()[-TAIL_LINES:] if log.exists() else []
+    tail = "\n".join(f"  | {line}" for line in lines)
+    return f"error: rank {rank} failed ({cause}); last lines of {log}:\n{tail}"
+
+
+def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> int:
+    """Run torchrun to completion; return 0, or non-zero after naming the failed rank."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        torchrun_command(cfg, config_path), env=worker_env(cfg), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, bufsize=1,
+    )
+    kept: list[str] = []
+    with open(run_dir / "logs" / "launcher.log", "w") as log:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+            kept.append(line)
+    code = proc.wait()
+    if code != 0:
+        print(describe_failure("".join(kept[-400:]), run_dir, code), file=sys.stderr)
+    return code

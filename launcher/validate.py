@@ -1,0 +1,218 @@
+"""Everything that can be checked before a process starts.
+
+Each rule raises `ConfigError` with one line: the key, the value, and the fix. The launcher
+prints it and exits 2; no worker is started, no run folder is touched.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+from launcher.schema import Config
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DEVICES = ("auto", "cuda", "cpu")
+INITS = ("pretrained", "random")
+PARAM_DTYPES = ("auto", "bf16", "fp32")
+REDUCE_DTYPES = ("fp32", "bf16")
+ATTN = ("sdpa", "eager", "flash_attention_2")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+SCHEDULES = ("constant", "cosine")
+DATASETS = ("synthetic", "gsm8k")
+LOGGERS = ("wandb", "none")
+WANDB_MODES = ("offline", "online", "disabled")
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+class ConfigError(Exception):
+    """A config value a user can fix: the message is the whole story, in one line."""
+
+
+def check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def one_of(key: str, value: object, choices: tuple[str, ...]) -> None:
+    check(value in choices, f"{key}={value!r} is not one of {', '.join(choices)}")
+
+
+def positive(key: str, value: float) -> None:
+    check(value > 0, f"{key}={value} must be > 0")
+
+
+def at_least(key: str, value: float, low: float) -> None:
+    check(value >= low, f"{key}={value} must be >= {low}")
+
+
+def resolve_device(device: str, visible_gpus: int) -> str:
+    return ("cuda" if visible_gpus > 0 else "cpu") if device == "auto" else device
+
+
+def world_size(cfg: Config) -> int:
+    return cfg.parallel.nnodes * cfg.parallel.nproc_per_node
+
+
+def is_hub_id(path: str) -> bool:
+    return not Path(path).exists() and bool(HUB_ID.match(path)) and not path.startswith((".", "/", "~"))
+
+
+def local_model_dir(path: str | None) -> Path | None:
+    """The folder holding `path`'s config.json, if it is on this machine (local or HF cache)."""
+    if not path:
+        return None
+    p = Path(path).expanduser()
+    if (p / "config.json").is_file():
+        return p
+    if is_hub_id(path):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(path, "config.json")
+        if isinstance(cached, str):
+            return Path(cached).parent
+    return None
+
+
+def validate_parallel(cfg: Config, visible_gpus: int) -> None:
+    p = cfg.parallel
+    at_least("parallel.dp_replicate_size", p.dp_replicate_size, 1)
+    at_least("parallel.dp_shard_size", p.dp_shard_size, 1)
+    at_least("parallel.cp_size", p.cp_size, 1)
+    at_least("parallel.nnodes", p.nnodes, 1)
+    at_least("parallel.nproc_per_node", p.nproc_per_node, 1)
+    world = world_size(cfg)
+    check(
+        world % p.cp_size == 0,
+        f"parallel.cp_size={p.cp_size} does not divide the world of {world} ranks "
+        f"(nnodes={p.nnodes} x nproc_per_node={p.nproc_per_node}); pick a divisor of {world}",
+    )
+    check(p.cp_size == 1, f"parallel.cp_size={p.cp_size}: context parallelism is not implemented yet; use 1")
+    dp = world // p.cp_size
+    divisors = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
+    check(
+        dp % p.dp_replicate_size == 0,
+        f"parallel.dp_replicate_size={p.dp_replicate_size} does not divide the {dp} data-parallel ranks "
+        f"into equal replica groups; use one of {divisors}",
+    )
+    check(
+        p.dp_replicate_size * p.dp_shard_size == dp,
+        f"parallel.dp_replicate_size x parallel.dp_shard_size = {p.dp_replicate_size} x {p.dp_shard_size} "
+        f"= {p.dp_replicate_size * p.dp_shard_size}, but {world} ranks will be started "
+        f"(nnodes={p.nnodes} x nproc_per_node={p.nproc_per_node}); make the product {dp}",
+    )
+    check(
+        p.nnodes == 1 or bool(p.rdzv_endpoint),
+        f"parallel.nnodes={p.nnodes} needs a rendezvous: set parallel.rdzv_endpoint=HOST:PORT "
+        "(the first node's address) and start the same command on every node",
+    )
+    device = resolve_device(cfg.device, visible_gpus)
+    if device == "cuda":
+        check(
+            p.nproc_per_node <= visible_gpus,
+            f"parallel.nproc_per_node={p.nproc_per_node} but {visible_gpus} GPU(s) are visible; "
+            f"use a preset with at most {visible_gpus} ranks per node or device=cpu",
+        )
+
+
+def validate_model(cfg: Config) -> None:
+    m = cfg.model
+    one_of("model.init", m.init, INITS)
+    one_of("model.param_dtype", m.param_dtype, PARAM_DTYPES)
+    one_of("model.reduce_dtype", m.reduce_dtype, REDUCE_DTYPES)
+    one_of("model.attn_implementation", m.attn_implementation, ATTN)
+    if m.init == "pretrained":
+        check(bool(m.path), "model.init=pretrained needs model.path=/path/to/model (or model.init=random)")
+        if local_model_dir(m.path) is None:
+            check(
+                is_hub_id(m.path),
+                f"model.path={m.path!r} does not exist (no config.json there); "
+                "point it at a folder saved with save_pretrained, or use model.init=random",
+            )
+            check(
+                os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"),
+                f"model.path={m.path!r} is not a local folder nor in the Hugging Face cache, and "
+                "HF_HUB_OFFLINE is set; download it and set model.path=/local/folder",
+            )
+    a = m.arch
+    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size"):
+        at_least(f"model.arch.{key}", getattr(a, key), 1)
+    check(
+        a.num_attention_heads % a.num_key_value_heads == 0,
+        f"model.arch.num_key_value_heads={a.num_key_value_heads} must divide "
+        f"model.arch.num_attention_heads={a.num_attention_heads}",
+    )
+
+
+def validate_data(cfg: Config) -> None:
+    from trainer.rewards import REWARDS
+
+    d = cfg.data
+    one_of("data.name", d.name, DATASETS)
+    if d.name == "gsm8k":
+        check(bool(d.path), "data=gsm8k needs data.path (a hub id such as openai/gsm8k or a local file)")
+        local = Path(d.path).expanduser()
+        if not is_hub_id(d.path):
+            check(local.exists(), f"data.path={d.path!r} does not exist; give a .parquet/.jsonl file or a hub id")
+            check(
+                local.is_dir() or local.suffix in DATA_SUFFIXES,
+                f"data.path={d.path!r}: unsupported file type {local.suffix!r}; use .parquet, .jsonl or .json",
+            )
+    else:
+        at_least("data.num_examples", d.num_examples, 1)
+        at_least("data.num_digits", d.num_digits, 1)
+    check(len(d.rewards) > 0, "data.rewards is empty; name at least one reward, e.g. data.rewards={digit_echo:1.0}")
+    for name, weight in d.rewards.items():
+        check(
+            name in REWARDS,
+            f"data.rewards.{name}: unknown reward {name!r}; registered rewards are {', '.join(sorted(REWARDS))}",
+        )
+        check(math.isfinite(weight), f"data.rewards.{name}={weight} must be a finite number")
+
+
+def validate_rl(cfg: Config) -> None:
+    r, o, t = cfg.rl, cfg.optim, cfg.trainer
+    dp = world_size(cfg) // cfg.parallel.cp_size
+    at_least("rl.prompts_per_step", r.prompts_per_step, 1)
+    at_least("rl.samples_per_prompt", r.samples_per_prompt, 2)  # a group of one has no advantage
+    at_least("rl.updates_per_step", r.updates_per_step, 1)
+    at_least("rl.micro_batch_responses", r.micro_batch_responses, 1)
+    at_least("rl.max_new_tokens", r.max_new_tokens, 1)
+    check(
+        r.prompts_per_step % dp == 0,
+        f"rl.prompts_per_step={r.prompts_per_step} does not split over {dp} data-parallel ranks; "
+        f"use a multiple of {dp}",
+    )
+    positive("rl.temperature", r.temperature)
+    check(0 < r.top_p <= 1, f"rl.top_p={r.top_p} must be in (0, 1]")
+    check(0 < r.clip_low < 1, f"rl.clip_low={r.clip_low} must be in (0, 1)")
+    positive("rl.clip_high", r.clip_high)
+    at_least("rl.kl_coef", r.kl_coef, 0)
+    one_of("rl.kl_estimator", r.kl_estimator, KL_ESTIMATORS)
+    at_least("rl.entropy_coef", r.entropy_coef, 0)
+    one_of("rl.loss_agg", r.loss_agg, LOSS_AGGS)
+    positive("rl.adv_eps", r.adv_eps)
+    positive("optim.lr", o.lr)
+    at_least("optim.weight_decay", o.weight_decay, 0)
+    check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optim.beta1={o.beta1}, optim.beta2={o.beta2} must be in [0, 1)")
+    at_least("optim.max_grad_norm", o.max_grad_norm, 0)
+    one_of("optim.schedule", o.schedule, SCHEDULES)
+    at_least("optim.warmup_steps", o.warmup_steps, 0)
+    check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    at_least("trainer.max_steps", t.max_steps, 1)
+
+
+def validate(cfg: Config, visible_gpus: int) -> None:
+    one_of("device", cfg.device, DEVICES)
+    if cfg.device == "cuda":
+        check(visible_gpus > 0, "device=cuda but no GPU is visible; use device=cpu")
+    one_of("logger.backend", cfg.logger.backend, LOGGERS)
+    one_of("logger.mode", cfg.logger.mode, WANDB_MODES)
+    validate_parallel(cfg, visible_gpus)
+    validate_model(cfg)
+    validate_data(cfg)
+    validate_rl(cfg)

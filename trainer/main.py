@@ -1,0 +1,112 @@
+"""What each torchrun worker runs: `python -m trainer.main RUN_DIR/config.yaml`.
+
+Process group, meshes, sharded Qwen3, then the GRPO loop (or, with trainer.smoke_test,
+one forward and backward pass that checks the sharded model).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from launcher.schema import Config
+from trainer.model import build_model
+from trainer.parallel import ParallelState
+
+
+def load_config(path: str | Path) -> Config:
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
+
+
+def redirect_output(log_path: Path, tee: bool) -> None:
+    """Send this process's stdout and stderr (C level too) to `log_path`; tee keeps the console."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab", buffering=0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if not tee:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        return
+    read_end, write_end = os.pipe()
+    console = os.dup(1)
+
+    def pump() -> None:
+        while chunk := os.read(read_end, 1 << 16):
+            os.write(console, chunk)
+            log.write(chunk)
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    os.dup2(write_end, 1)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def drain() -> None:  # close our ends so the pump reads EOF, then let it finish
+        sys.stdout.flush()
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        thread.join(timeout=5)
+
+    atexit.register(drain)
+
+
+def init_distributed(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=10))
+        return device
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+    return torch.device("cpu")
+
+
+def smoke_test(model: torch.nn.Module, ps: ParallelState, vocab_size: int) -> float:
+    """One forward and backward on rank-specific tokens; returns the loss."""
+    gen = torch.Generator().manual_seed(ps.rank)
+    ids = torch.randint(0, vocab_size, (2, 16), generator=gen).to(ps.device)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    if missing or not torch.isfinite(loss):
+        raise RuntimeError(f"smoke test failed: loss={loss.item()}, parameters without grad: {missing}")
+    return loss.item()
+
+
+@record
+def main(config_path: str) -> None:
+    cfg = load_config(config_path)
+    rank = int(os.environ["RANK"])
+    redirect_output(Path(cfg.run_dir) / "logs" / f"rank_{rank}.log", tee=rank == 0)
+    sys.stdout.reconfigure(line_buffering=True)
+    torch.manual_seed(cfg.trainer.seed)
+    if cfg.trainer.deterministic:
+        torch.use_deterministic_algorithms(True)
+    device = init_distributed(cfg.device)
+    ps = ParallelState.build(device, cfg.parallel.dp_replicate_size, cfg.parallel.cp_size)
+    print(ps.describe(), flush=True)
+    model = build_model(cfg.model, ps.get_mesh("fsdp"), device, seed=cfg.trainer.seed)
+    if cfg.trainer.smoke_test:
+        loss = smoke_test(model, ps, model.config.vocab_size)
+        print(f"rank {rank}: sharded forward/backward ok, loss {loss:.4f}", flush=True)
+    else:
+        from trainer.train import GRPOTrainer
+
+        GRPOTrainer(cfg, ps, model).train()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

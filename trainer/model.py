@@ -1,0 +1,123 @@
+"""Load Qwen3 through transformers and shard it with FSDP2 on the `fsdp` mesh.
+
+Every rank builds the model on the meta device (no memory), applies `fully_shard` to each
+decoder layer and then the root, and allocates only its shards. Rank 0 alone materialises
+the full state dict (`from_pretrained`, or a seeded random init from the config) and
+`set_model_state_dict(..., broadcast_from_rank0=True)` scatters it into the shards, tied
+embeddings included. Master weights stay fp32; compute runs in `param_dtype`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, Qwen3Config
+
+from launcher.schema import ModelConfig
+from launcher.validate import local_model_dir
+
+SHIPPED_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def hf_config(m: ModelConfig) -> PretrainedConfig:
+    """model.path's config when pretrained or present on this machine, else `model.arch`."""
+    if m.init == "pretrained" or local_model_dir(m.path) is not None:
+        return AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code)
+    a = m.arch
+    return Qwen3Config(
+        vocab_size=a.vocab_size,
+        hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.num_hidden_layers,
+        num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=a.num_key_value_heads,
+        head_dim=a.head_dim,
+        tie_word_embeddings=a.tie_word_embeddings,
+        rope_theta=a.rope_theta,
+        max_position_embeddings=a.max_position_embeddings,
+        rms_norm_eps=a.rms_norm_eps,
+    )
+
+
+def load_tokenizer(m: ModelConfig):
+    """model.tokenizer_path, else model.path's tokenizer when it is here, else the shipped one."""
+    path = m.tokenizer_path
+    if path is None:
+        path = m.path if local_model_dir(m.path) is not None or m.init == "pretrained" else SHIPPED_TOKENIZER
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=m.trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def compute_dtype(m: ModelConfig, device_type: str) -> torch.dtype:
+    if m.param_dtype == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return DTYPES[m.param_dtype]
+
+
+def mp_policy(m: ModelConfig, device_type: str) -> MixedPrecisionPolicy:
+    return MixedPrecisionPolicy(param_dtype=compute_dtype(m, device_type), reduce_dtype=DTYPES[m.reduce_dtype])
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return list(model.model.layers)
+
+
+def shard_model(model: nn.Module, mesh, mp: MixedPrecisionPolicy) -> FSDPModule:
+    """`fully_shard` each decoder layer (resharded after forward), then the root."""
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    # The root holds embeddings, final norm and (tied) lm_head; backward needs them first,
+    # so keeping them gathered after forward saves one all-gather per step.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+def full_state_dict(m: ModelConfig, config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The whole fp32 state dict on CPU: pretrained weights, or a seeded random init."""
+    if m.init == "pretrained":
+        model = AutoModelForCausalLM.from_pretrained(
+            m.path, dtype=torch.float32, trust_remote_code=m.trust_remote_code
+        )
+    else:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.state_dict()
+
+
+def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (RoPE inverse frequencies) are not in the state dict: rebuild them."""
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb"):
+            fresh = type(module)(config=model.config)
+            for buf_name, buf in fresh.named_buffers(recurse=False):
+                getattr(module, buf_name).data = buf.to(device)
+
+
+def build_model(m: ModelConfig, mesh, device: torch.device, seed: int, requires_grad: bool = True) -> nn.Module:
+    """A Qwen3 causal LM sharded with FSDP2 on `mesh`, weights broadcast from rank 0."""
+    config = hf_config(m)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=m.attn_implementation
+        )
+    shard_model(model, mesh, mp_policy(m, device.type))
+    model.to_empty(device=device)
+    reset_rotary_buffers(model, device)
+    state = full_state_dict(m, config, seed) if dist.get_rank() == 0 else {}
+    set_model_state_dict(
+        model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+    del state
+    if config.tie_word_embeddings:
+        model.tie_weights()
+        assert model.lm_head.weight is model.model.embed_tokens.weight, "tied embeddings came apart"
+    model.requires_grad_(requires_grad)
+    return model

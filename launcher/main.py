@@ -39,10 +39,17 @@ def write_config(cfg: Config, run_dir: Path) -> Path:
     return path
 
 
+def remove_if_empty(run_dir: Path) -> None:
+    """Hydra makes the run folder before the task runs; a rejected config leaves none behind."""
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+
+
 def prepare(cfg: DictConfig) -> tuple[Config, int]:
     typed = to_typed(cfg)
     gpus = visible_gpus(typed.device)
-    validate(typed, gpus)
+    # A plan made where no GPU is visible (a laptop, a login node) skips the GPU-count check.
+    validate(typed, gpus, check_gpu_count=not (typed.dry_run and gpus == 0))
     return typed, gpus
 
 
@@ -52,9 +59,10 @@ def run(cfg: DictConfig) -> None:
         typed, gpus = prepare(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
+        remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
         sys.exit(2)
     if typed.dry_run:
-        print(plan(typed, gpus))
+        print(plan(typed))
         return
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     typed.run_dir = str(run_dir)

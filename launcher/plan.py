@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 
 from launcher.schema import ArchConfig, Config
-from launcher.validate import local_model_dir, resolve_device, world_size
+from launcher.validate import local_model_dir, world_size
 
 GIB = 1024**3
 
@@ -89,10 +89,11 @@ def mesh_groups(r: int, s: int) -> tuple[list[list[int]], list[list[int]]]:
     return shard, replica
 
 
-def plan(cfg: Config, visible_gpus: int) -> str:
+def plan(cfg: Config) -> str:
     p = cfg.parallel
     world, r, s = world_size(cfg), p.dp_replicate_size, p.dp_shard_size
-    device = resolve_device(cfg.device, visible_gpus)
+    # A plan is usually made away from the GPUs it is for: `auto` plans for cuda.
+    device = "cuda" if cfg.device == "auto" else cfg.device
     arch = arch_from_model_dir(cfg)
     counts = count_params(arch)
     compute = {"auto": 2 if device == "cuda" else 4, "bf16": 2, "fp32": 4}[cfg.model.param_dtype]

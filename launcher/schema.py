@@ -16,6 +16,8 @@ from omegaconf import MISSING
 
 @dataclass
 class ParallelConfig:
+    """How the ranks are laid out: R replica groups of S-way shards (`hsdp_r{R}s{S}`)."""
+
     # Replica groups R: the gradient all-reduce crosses them, parameters are not sharded over them.
     dp_replicate_size: int = 1
     # Shard group size S: ranks one parameter is sharded over (all-gather / reduce-scatter stay inside).
@@ -34,23 +36,37 @@ class ParallelConfig:
 
 @dataclass
 class ArchConfig:
-    # The Qwen3 architecture, used for `model.init=random` and for the dry-run plan when no
-    # config.json is at `model.path`.
+    """The Qwen3 architecture (transformers' Qwen3Config names), used for `model.init=random`
+    and by the dry-run plan when no config.json is at `model.path`."""
+
+    # Decoder layers.
     num_hidden_layers: int = 2
+    # Model width.
     hidden_size: int = 64
+    # MLP width.
     intermediate_size: int = 128
+    # Query heads.
     num_attention_heads: int = 4
+    # Key/value heads (grouped-query attention).
     num_key_value_heads: int = 2
+    # Width of one attention head.
     head_dim: int = 16
+    # Embedding rows; must cover the tokenizer's ids (the shipped one has 259).
     vocab_size: int = 259
+    # lm_head shares the embedding matrix.
     tie_word_embeddings: bool = True
+    # RoPE base.
     rope_theta: float = 1_000_000.0
+    # Longest position RoPE is set up for.
     max_position_embeddings: int = 2048
+    # RMSNorm epsilon.
     rms_norm_eps: float = 1e-6
 
 
 @dataclass
 class ModelConfig:
+    """Which Qwen3 to train and how its weights are held."""
+
     # Preset name (informational; set by the conf/model file).
     name: str = "qwen3_tiny"
     # Local folder or hub id for `from_pretrained`; null builds `model.arch` with the shipped tokenizer.
@@ -72,14 +88,19 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """Prompts and the rewards that score their responses."""
+
     # `synthetic` (shipped digit-echo task) | `gsm8k` (datasets: hub id or local parquet/jsonl).
     name: str = "synthetic"
     # gsm8k: hub id or local .parquet / .jsonl / .json file; ignored by synthetic.
     path: Optional[str] = None
     # gsm8k: dataset config name on the hub (`main` for openai/gsm8k).
     hub_config: Optional[str] = None
+    # gsm8k: dataset split.
     split: str = "train"
+    # gsm8k: column holding the question.
     question_key: str = "question"
+    # gsm8k: column holding the reference answer (GSM8K's ends in `#### 42`).
     answer_key: str = "answer"
     # Wrap each prompt with the tokenizer's chat template.
     chat_template: bool = False
@@ -96,6 +117,8 @@ class DataConfig:
 
 @dataclass
 class RLConfig:
+    """GRPO: batch sizes (named by what they count), sampling, advantages and the loss."""
+
     # Preset name (informational; set by the conf/rl file).
     name: str = "grpo"
     # Prompts per step over the whole data-parallel domain (split over all R*S ranks).
@@ -106,11 +129,15 @@ class RLConfig:
     updates_per_step: int = 1
     # Responses per forward/backward on one rank (memory knob; does not change the gradient).
     micro_batch_responses: int = 16
-    max_new_tokens: int = 8
+    # Longest response; longer ones are cut (counted in rollout/truncated_frac).
+    max_new_tokens: int = 256
+    # Sampling temperature; logits are divided by it in rollout and training alike.
     temperature: float = 1.0
+    # Nucleus sampling mass (1 = off).
     top_p: float = 1.0
     # Divide advantages by the group std (off = Dr. GRPO).
     std_normalize: bool = True
+    # Added to the group std before dividing.
     adv_eps: float = 1e-6
     # Ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO clip-higher when clip_high > clip_low).
     clip_low: float = 0.2
@@ -119,6 +146,7 @@ class RLConfig:
     kl_coef: float = 0.0
     # `k1` | `k2` | `k3` (k3 = low-variance KL).
     kl_estimator: str = "k3"
+    # Entropy bonus: loss -= entropy_coef * mean token entropy.
     entropy_coef: float = 0.0
     # `token_mean` | `seq_mean_token_mean` | `seq_mean_token_sum_norm` (sum / max_new_tokens).
     loss_agg: str = "token_mean"
@@ -126,8 +154,13 @@ class RLConfig:
 
 @dataclass
 class OptimConfig:
+    """AdamW on the sharded fp32 master weights."""
+
+    # Peak learning rate.
     lr: float = 1e-6
+    # Decoupled weight decay.
     weight_decay: float = 0.0
+    # AdamW betas and epsilon.
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
@@ -135,14 +168,19 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     # `constant` | `cosine` (linear warmup, then cosine to min_lr_ratio * lr).
     schedule: str = "constant"
+    # Linear warmup from 0 over this many optimizer steps.
     warmup_steps: int = 0
+    # cosine: the final learning rate as a fraction of optim.lr.
     min_lr_ratio: float = 0.1
 
 
 @dataclass
 class TrainerConfig:
+    """The loop around the updates."""
+
     # GRPO steps (rollout + updates) to run.
     max_steps: int = 50
+    # Seeds model init, data order and sampling.
     seed: int = 0
     # Use deterministic algorithms (bit-for-bit reproducible runs; slower on GPU).
     deterministic: bool = False
@@ -152,10 +190,13 @@ class TrainerConfig:
 
 @dataclass
 class LoggerConfig:
+    """Where metrics go besides `metrics.jsonl` in the run directory."""
+
     # `wandb` | `none` (metrics.jsonl is always written).
     backend: str = "wandb"
     # W&B mode: `offline` (a run folder for `wandb sync`) | `online` | `disabled`.
     mode: str = "offline"
+    # W&B project, entity (team or user), group, run name and tags; a sweep fills group and name.
     project: str = "hsdp-grpo"
     entity: Optional[str] = None
     group: Optional[str] = None
@@ -165,6 +206,8 @@ class LoggerConfig:
 
 @dataclass
 class Config:
+    """The whole run."""
+
     parallel: ParallelConfig = MISSING
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
@@ -181,14 +224,6 @@ class Config:
 
 
 def register() -> None:
-    """Register the schema so `conf/config.yaml` and every group file are checked against it."""
-    cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
-    for group, node in {
-        "parallel": ParallelConfig,
-        "model": ModelConfig,
-        "data": DataConfig,
-        "rl": RLConfig,
-        "logger": LoggerConfig,
-    }.items():
-        cs.store(group=group, name="schema", node=node)
+    """Register the schema: `conf/config.yaml` starts from it, so every group file merged
+    into it is checked against these dataclasses (unknown keys and wrong types fail)."""
+    ConfigStore.instance().store(name="config_schema", node=Config)

@@ -77,7 +77,7 @@ def local_model_dir(path: str | None) -> Path | None:
     return None
 
 
-def validate_parallel(cfg: Config, visible_gpus: int) -> None:
+def validate_parallel(cfg: Config, visible_gpus: int, check_gpu_count: bool = True) -> None:
     p = cfg.parallel
     at_least("parallel.dp_replicate_size", p.dp_replicate_size, 1)
     at_least("parallel.dp_shard_size", p.dp_shard_size, 1)
@@ -109,8 +109,7 @@ def validate_parallel(cfg: Config, visible_gpus: int) -> None:
         f"parallel.nnodes={p.nnodes} needs a rendezvous: set parallel.rdzv_endpoint=HOST:PORT "
         "(the first node's address) and start the same command on every node",
     )
-    device = resolve_device(cfg.device, visible_gpus)
-    if device == "cuda":
+    if check_gpu_count and resolve_device(cfg.device, visible_gpus) == "cuda":
         check(
             p.nproc_per_node <= visible_gpus,
             f"parallel.nproc_per_node={p.nproc_per_node} but {visible_gpus} GPU(s) are visible; "
@@ -206,13 +205,13 @@ def validate_rl(cfg: Config) -> None:
     at_least("trainer.max_steps", t.max_steps, 1)
 
 
-def validate(cfg: Config, visible_gpus: int) -> None:
+def validate(cfg: Config, visible_gpus: int, check_gpu_count: bool = True) -> None:
     one_of("device", cfg.device, DEVICES)
-    if cfg.device == "cuda":
+    if cfg.device == "cuda" and check_gpu_count:
         check(visible_gpus > 0, "device=cuda but no GPU is visible; use device=cpu")
     one_of("logger.backend", cfg.logger.backend, LOGGERS)
     one_of("logger.mode", cfg.logger.mode, WANDB_MODES)
-    validate_parallel(cfg, visible_gpus)
+    validate_parallel(cfg, visible_gpus, check_gpu_count)
     validate_model(cfg)
     validate_data(cfg)
     validate_rl(cfg)

@@ -1,0 +1,94 @@
+"""Write docs/configuration.md from the schema (launcher/schema.py) and the presets in conf/.
+
+    python scripts/gen_config_docs.py          # rewrite the file
+    python scripts/gen_config_docs.py --check  # exit 1 if it is stale (run by the tests)
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import sys
+from pathlib import Path
+
+from launcher import schema
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "configuration.md"
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """The `#` comment lines directly above each field of `cls` in schema.py."""
+    lines = Path(schema.__file__).read_text().splitlines()
+    node = next(n for n in ast.parse("\n".join(lines)).body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    out = {}
+    for stmt in node.body:
+        if isinstance(stmt, ast.AnnAssign):
+            i, comment = stmt.lineno - 2, []
+            while i >= 0 and lines[i].strip().startswith("#"):
+                comment.insert(0, lines[i].strip().lstrip("# "))
+                i -= 1
+            out[stmt.target.id] = " ".join(comment).replace("|", "\\|")
+    return out
+
+
+def type_name(tp: object) -> str:
+    return str(tp).replace("typing.", "").replace("Optional[", "").rstrip("]") + ("?" if "Optional" in str(tp) else "")
+
+
+def default_of(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        return "(group)" if f.default == "???" else f"`{f.default!r}`".replace("None", "null")
+    value = f.default_factory()
+    return "(section)" if dataclasses.is_dataclass(value) else f"`{value!r}`"
+
+
+def section(prefix: str, cls: type) -> list[str]:
+    comments = field_comments(cls)
+    rows, nested = [], []
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        sub = f.type if isinstance(f.type, type) else getattr(schema, str(f.type), None)
+        if sub is not None and dataclasses.is_dataclass(sub):
+            nested.append((key + ".", sub, " ".join((sub.__doc__ or "").split())))
+            continue
+        rows.append(f"| `{key}` | {type_name(f.type)} | {default_of(f)} | {comments.get(f.name, '')} |")
+    out = []
+    if rows:
+        out += ["| key | type | default | meaning |", "|---|---|---|---|", *rows, ""]
+    for key, sub, comment in nested:
+        presets = sorted(p.stem for p in (ROOT / "conf" / key.rstrip(".")).glob("*.yaml"))
+        out += [f"## `{key.rstrip('.')}`", ""]
+        if comment:
+            out += [comment, ""]
+        if presets:
+            out += ["Presets: " + ", ".join(f"`{key.rstrip('.')}={p}`" for p in presets), ""]
+        out += section(key, sub)
+    return out
+
+
+def render() -> str:
+    head = [
+        "# Configuration",
+        "",
+        "Generated from `launcher/schema.py` by `python scripts/gen_config_docs.py`; do not edit by hand.",
+        "Presets in `conf/` choose values for these keys; override any key on the command line as",
+        "`key=value`. Defaults below are the schema's; a preset may set others (`--cfg job` shows the",
+        "composed result).",
+        "",
+        "## top level",
+        "",
+    ]
+    return "\n".join(head + section("", schema.Config)).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    text = render()
+    if "--check" in sys.argv:
+        if not OUT.exists() or OUT.read_text() != text:
+            print(f"{OUT.relative_to(ROOT)} is stale: run python scripts/gen_config_docs.py")
+            sys.exit(1)
+    else:
+        OUT.parent.mkdir(exist_ok=True)
+        OUT.write_text(text)
+        print(f"wrote {OUT.relative_to(ROOT)}")

@@ -1,0 +1,103 @@
+"""Prompts: the shipped synthetic task or GSM8K-style rows through `datasets`, and their order.
+
+The synthetic task ("digit echo"): the prompt is N random digits and `=`, e.g. `7203=`, and
+the answer is the same digits, `7203`. It is learnable from a random init with GRPO on a
+CPU in minutes because its reward (`trainer.rewards.digit_echo`) is dense: half of it pays
+for emitting digits at all, a unigram preference a two-layer model picks up in a few
+updates from the variance across a group; the other half pays for the right digit in each
+place, a fixed-offset copy that attention over the prompt can learn next.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from launcher.schema import DataConfig
+from launcher.validate import is_hub_id
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str  # exactly what the model is conditioned on (chat template applied if asked)
+    answer: str  # what the reward functions compare against
+
+
+def synthetic_prompts(d: DataConfig, seed: int) -> list[Prompt]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(d.num_examples):
+        digits = "".join(rng.choice("0123456789") for _ in range(d.num_digits))
+        out.append(Prompt(text=f"{digits}=", answer=digits))
+    return out
+
+
+def load_rows(d: DataConfig):
+    import datasets
+
+    if is_hub_id(d.path):
+        return datasets.load_dataset(d.path, d.hub_config, split=d.split)
+    path = Path(d.path).expanduser()
+    kind = "parquet" if path.suffix == ".parquet" or path.is_dir() else "json"
+    files = [str(p) for p in sorted(path.glob("*.parquet"))] if path.is_dir() else str(path)
+    return datasets.load_dataset(kind, data_files=files, split="train")
+
+
+def dataset_prompts(d: DataConfig, tokenizer) -> list[Prompt]:
+    rows = load_rows(d)
+    missing = {d.question_key, d.answer_key} - set(rows.column_names)
+    if missing:
+        raise ValueError(
+            f"data.path={d.path!r} has no column(s) {sorted(missing)}; it has {rows.column_names} "
+            "(set data.question_key / data.answer_key)"
+        )
+    out = []
+    for row in rows:
+        question = str(row[d.question_key]) + d.prompt_suffix
+        if d.chat_template:
+            messages = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
+            messages.append({"role": "user", "content": question})
+            question = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        out.append(Prompt(text=question, answer=str(row[d.answer_key])))
+    if not out:
+        raise ValueError(f"data.path={d.path!r} split {d.split!r} has no rows")
+    return out
+
+
+def load_prompts(d: DataConfig, tokenizer, seed: int) -> list[Prompt]:
+    return synthetic_prompts(d, seed) if d.name == "synthetic" else dataset_prompts(d, tokenizer)
+
+
+class PromptSampler:
+    """Which prompts each data-parallel rank takes at each step.
+
+    The global order is an endless concatenation of epochs, each a permutation of all
+    prompts seeded by (seed, epoch). Step t takes the next `prompts_per_step` of it, and dp
+    rank i the i-th contiguous slice: every one of the R*S ranks gets distinct prompts, and
+    the union over ranks is the same whatever R and S are.
+    """
+
+    def __init__(self, num_prompts: int, prompts_per_step: int, dp_rank: int, dp_size: int, seed: int):
+        self.num_prompts, self.prompts_per_step = num_prompts, prompts_per_step
+        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
+        self._perms: dict[int, list[int]] = {}
+
+    def permutation(self, epoch: int) -> list[int]:
+        if epoch not in self._perms:
+            order = list(range(self.num_prompts))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._perms = {epoch: order}  # steps move forward: keep one epoch
+        return self._perms[epoch]
+
+    def global_indices(self, step: int) -> list[int]:
+        start = step * self.prompts_per_step
+        out = []
+        for pos in range(start, start + self.prompts_per_step):
+            epoch, offset = divmod(pos, self.num_prompts)
+            out.append(self.permutation(epoch)[offset])
+        return out
+
+    def indices(self, step: int) -> list[int]:
+        per_rank = self.prompts_per_step // self.dp_size
+        return self.global_indices(step)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]

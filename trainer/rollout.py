@@ -1,0 +1,113 @@
+"""Rollout engines: sample responses for this rank's prompts from an inference copy of the policy.
+
+An engine holds its own unsharded weights in the compute dtype (bf16 on GPUs) and is
+refreshed from the FSDP shards after every update, one FSDP unit (decoder layer, then the
+root) at a time: the unit is all-gathered in its compute dtype, copied, and resharded, so
+no full fp32 copy of the model ever exists. `RolloutEngine` is the interface the trainer
+uses; `HFRolloutEngine` is the simple colocated one (transformers `generate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+
+@dataclass
+class SamplingParams:
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    eos_token_id: int
+    pad_token_id: int
+
+
+@dataclass
+class Rollout:
+    """Responses for a list of prompts, one row per response (prompt i's samples adjacent)."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]  # sampled tokens, ending with EOS unless truncated
+    sampling_logprobs: list[torch.Tensor]  # log p(token) under softmax(logits / temperature)
+    truncated: list[bool]
+
+
+class RolloutEngine(Protocol):
+    def load_weights(self, policy: nn.Module) -> None: ...
+
+    def generate(self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams) -> Rollout: ...
+
+
+def fsdp_units(policy: nn.Module) -> list[nn.Module]:
+    """The FSDP units of a sharded causal LM, innermost first (decoder layers, then the root)."""
+    return [*policy.model.layers, policy]
+
+
+@torch.no_grad()
+def copy_sharded_weights(policy: nn.Module, target: nn.Module) -> None:
+    """Copy the sharded policy's weights into the unsharded `target`, one FSDP unit at a time."""
+    target_params = dict(target.named_parameters())
+    prefix = {id(unit): name for name, unit in policy.named_modules()}
+    for unit in fsdp_units(policy):
+        unit.unshard()
+        base = prefix[id(unit)]
+        for name, param in unit.named_parameters():
+            if isinstance(param, DTensor):  # belongs to an inner unit, still sharded
+                continue
+            full_name = f"{base}.{name}" if base else name
+            target_params[full_name].copy_(param)
+        unit.reshard()
+
+
+class HFRolloutEngine:
+    """A plain transformers copy of the policy, sampled with `generate` (left-padded batch)."""
+
+    def __init__(self, config, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa"):
+        with torch.device(device):
+            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        self.model.eval().requires_grad_(False)
+        self.device = device
+
+    def load_weights(self, policy: nn.Module) -> None:
+        copy_sharded_weights(policy, self.model)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams) -> Rollout:
+        rows = [p for p in prompts for _ in range(samples_per_prompt)]
+        width = max(map(len, rows))
+        input_ids = torch.full((len(rows), width), params.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, p in enumerate(rows):  # left padding: every prompt ends at the same column
+            input_ids[i, width - len(p) :] = torch.tensor(p)
+            attention_mask[i, width - len(p) :] = 1
+        generation = GenerationConfig(
+            do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
+            max_new_tokens=params.max_new_tokens, eos_token_id=params.eos_token_id,
+            pad_token_id=params.pad_token_id, output_logits=True, return_dict_in_generate=True,
+        )
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+            generation_config=generation,
+        )
+        new_NT = out.sequences[:, width:]
+        # out.logits: one (N, V) tensor per step, raw (before temperature and top-p); one
+        # step at a time so no (N, T, V) fp32 tensor is made.
+        logp_NT = torch.stack([
+            F.log_softmax(step_NV.float() / params.temperature, dim=-1).gather(-1, new_NT[:, t, None]).squeeze(-1)
+            for t, step_NV in enumerate(out.logits)
+        ], dim=1).cpu()
+        new_NT = new_NT.cpu()
+        responses, logprobs, truncated = [], [], []
+        for i in range(len(rows)):
+            tokens = new_NT[i].tolist()
+            end = tokens.index(params.eos_token_id) + 1 if params.eos_token_id in tokens else len(tokens)
+            responses.append(tokens[:end])
+            logprobs.append(logp_NT[i, :end])
+            truncated.append(params.eos_token_id not in tokens[:end])
+        return Rollout(rows, responses, logprobs, truncated)

@@ -1,0 +1,248 @@
+"""The GRPO loop on one rank: rollout -> rewards -> advantages -> (ref log-probs) -> updates
+-> weight sync -> metrics.
+
+Departures from the papers, stated: advantages are per group of `samples_per_prompt`
+responses with the unbiased std; `updates_per_step` reuses the whole rollout batch that many
+times (TRL's `num_iterations`), and the old log-probs are those of the first update's
+forward pass, which ran with the weights that sampled (so its ratio is exactly 1, and no
+extra forward pass is spent on them).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from launcher.schema import Config, OptimConfig
+from trainer.data import PromptSampler, load_prompts
+from trainer.grpo import group_advantages, grpo_token_loss, loss_weights, token_logprobs
+from trainer.metrics import DPSums, MetricsLogger
+from trainer.model import build_model, compute_dtype, load_tokenizer
+from trainer.parallel import ParallelState
+from trainer.rewards import score
+from trainer.rollout import HFRolloutEngine, Rollout, SamplingParams
+
+
+@dataclass
+class Batch:
+    """One rank's rollout as right-padded tensors; T = longest prompt + response - 1 targets."""
+
+    input_ids_NL: torch.Tensor
+    attention_mask_NL: torch.Tensor
+    mask_NT: torch.Tensor  # 1 where the target token is a response token
+    sampling_logp_NT: torch.Tensor
+    advantages_N: torch.Tensor
+    rewards_N: torch.Tensor
+    response_len_N: torch.Tensor
+    truncated_N: torch.Tensor
+    ref_logp_NT: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.input_ids_NL.shape[0]
+
+
+def collate(rollout: Rollout, rewards_N: torch.Tensor, advantages_N: torch.Tensor, pad_id: int,
+            device: torch.device) -> Batch:
+    n = len(rollout.response_ids)
+    width = max(len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids))
+    ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros((n, width - 1))
+    sampling = torch.zeros((n, width - 1))
+    for i, (p, r) in enumerate(zip(rollout.prompt_ids, rollout.response_ids)):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+        attn[i, : len(p) + len(r)] = 1
+        # target j is token j + 1: response tokens are targets len(p) - 1 ... len(p) + len(r) - 2
+        mask[i, len(p) - 1 : len(p) + len(r) - 1] = 1
+        sampling[i, len(p) - 1 : len(p) + len(r) - 1] = rollout.sampling_logprobs[i]
+    lengths = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.float)
+    return Batch(ids.to(device), attn.to(device), mask.to(device), sampling.to(device), advantages_N.to(device),
+                 rewards_N.to(device), lengths.to(device), torch.tensor(rollout.truncated, dtype=torch.float).to(device))
+
+
+def lr_factor(o: OptimConfig, total_steps: int):
+    def factor(step: int) -> float:
+        if step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - o.warmup_steps) / max(1, total_steps - o.warmup_steps))
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def sequence_logprobs(model: nn.Module, batch: Batch, rows: slice, temperature: float):
+    logits = model(input_ids=batch.input_ids_NL[rows], attention_mask=batch.attention_mask_NL[rows]).logits
+    return token_logprobs(logits[:, :-1], batch.input_ids_NL[rows, 1:], temperature)
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: Config, ps: ParallelState, model: nn.Module):
+        self.cfg, self.ps, self.model = cfg, ps, model
+        self.rl, device = cfg.rl, ps.device
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.prompts = load_prompts(cfg.data, self.tokenizer, cfg.trainer.seed)
+        self.sampler = PromptSampler(len(self.prompts), self.rl.prompts_per_step, ps.dp_rank, ps.dp_size,
+                                     cfg.trainer.seed)
+        self.sampling = SamplingParams(self.rl.temperature, self.rl.top_p, self.rl.max_new_tokens,
+                                       self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
+        self.engine = HFRolloutEngine(model.config, compute_dtype(cfg.model, device.type), device,
+                                      cfg.model.attn_implementation)
+        self.engine.load_weights(model)
+        self.reference = None
+        if self.rl.kl_coef > 0:
+            self.reference = build_model(cfg.model, ps.get_mesh("fsdp"), device, cfg.trainer.seed, requires_grad=False)
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                           weight_decay=o.weight_decay, foreach=True)
+        total_updates = cfg.trainer.max_steps * self.rl.updates_per_step
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(o, total_updates))
+        self.metrics = MetricsLogger(cfg, is_main=ps.rank == 0)
+        self.dp_group = ps.get_mesh("dp").get_group()
+
+    def sync(self) -> None:
+        if self.ps.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def train(self) -> None:
+        for step in range(1, self.cfg.trainer.max_steps + 1):
+            sums = DPSums(self.ps.device)
+            t0 = time.perf_counter()
+            batch = self.rollout(step, sums)
+            self.sync()
+            t1 = time.perf_counter()
+            if self.reference is not None:
+                batch.ref_logp_NT = self.reference_logprobs(batch)
+            self.sync()
+            t2 = time.perf_counter()
+            self.update(batch, sums)
+            self.sync()
+            t3 = time.perf_counter()
+            self.engine.load_weights(self.model)
+            self.sync()
+            t4 = time.perf_counter()
+            for name, seconds in (("rollout", t1 - t0), ("ref", t2 - t1), ("train", t3 - t2), ("sync", t4 - t3),
+                                  ("step", t4 - t0)):
+                sums.max(f"time/{name}_s", seconds)
+            self.metrics.log(self.summarize(step, sums.reduce(self.dp_group)))
+        self.metrics.close()
+
+    def rollout(self, step: int, sums: DPSums) -> Batch:
+        g = self.rl.samples_per_prompt
+        prompts = [self.prompts[i] for i in self.sampler.indices(step - 1)]
+        prompt_ids = [self.tokenizer(p.text, add_special_tokens=False).input_ids for p in prompts]
+        # Sampling randomness is a function of (seed, step, dp rank) alone.
+        torch.manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.ps.dp_rank)
+        rollout = self.engine.generate(prompt_ids, g, self.sampling)
+        texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        rewards_N = torch.tensor([score(t, prompts[i // g].answer, self.cfg.data.rewards) for i, t in enumerate(texts)])
+        advantages_N = group_advantages(rewards_N.view(-1, g), self.rl.std_normalize, self.rl.adv_eps).view(-1)
+        batch = collate(rollout, rewards_N, advantages_N, self.tokenizer.pad_token_id, self.ps.device)
+        sums.add("responses", batch.size)
+        sums.add("reward_sum", batch.rewards_N.sum())
+        sums.add("reward_sq_sum", batch.rewards_N.square().sum())
+        sums.add("response_len_sum", batch.response_len_N.sum())
+        sums.add("truncated_sum", batch.truncated_N.sum())
+        return batch
+
+    def micro_batches(self, n: int) -> list[slice]:
+        mb = self.rl.micro_batch_responses
+        return [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        out = torch.zeros_like(batch.sampling_logp_NT)
+        for rows in self.micro_batches(batch.size):
+            out[rows] = sequence_logprobs(self.reference, batch, rows, self.rl.temperature)[0]
+        return out
+
+    def global_counts(self, batch: Batch) -> tuple[float, float]:
+        t = torch.stack([batch.mask_NT.sum().double(), torch.tensor(float(batch.size), dtype=torch.float64,
+                                                                    device=batch.mask_NT.device)])
+        dist.all_reduce(t, group=self.dp_group)
+        return t[0].item(), t[1].item()
+
+    def update(self, batch: Batch, sums: DPSums) -> None:
+        rl, dp = self.rl, self.ps.dp_size
+        global_tokens, global_responses = self.global_counts(batch)
+        weights_NT = loss_weights(batch.mask_NT, rl.loss_agg, global_tokens, global_responses, rl.max_new_tokens)
+        old_logp_NT = torch.zeros_like(batch.sampling_logp_NT)
+        chunks = self.micro_batches(batch.size)
+        grad_norms: list[float] = []
+        hybrid = self.ps.dp_replicate_size > 1
+        for u in range(rl.updates_per_step):
+            for k, rows in enumerate(chunks):
+                if hybrid:  # all-reduce across replicas once, after the last micro-batch
+                    self.model.set_requires_all_reduce(k == len(chunks) - 1)
+                logp, entropy = sequence_logprobs(self.model, batch, rows, rl.temperature)
+                if u == 0:
+                    old_logp_NT[rows] = logp.detach()
+                token_loss, stats = grpo_token_loss(
+                    logp, old_logp_NT[rows], batch.advantages_N[rows], rl.clip_low, rl.clip_high,
+                    ref_logp=None if batch.ref_logp_NT is None else batch.ref_logp_NT[rows],
+                    kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
+                    entropy=entropy if rl.entropy_coef > 0 else entropy.detach(), entropy_coef=rl.entropy_coef,
+                )
+                loss = (token_loss * weights_NT[rows]).sum()
+                # FSDP averages gradients over the dp ranks; the weights already divide by
+                # global counts, so scale back up to get the gradient of the global loss.
+                (loss * dp).backward()
+                mask = batch.mask_NT[rows]
+                sums.add("loss", loss)
+                for name, per_token in stats.items():
+                    sums.add(f"{name}_sum", (per_token * mask).sum())
+                    if u == 0:
+                        sums.add(f"first_{name}_sum", (per_token * mask).sum())
+                if u == 0:
+                    diff = (logp.detach() - batch.sampling_logp_NT[rows]).abs()
+                    sums.add("logprob_diff_sum", (diff * mask).sum())
+            grad_norms.append(self.optimizer_step())
+        # The norm is global (the same on every rank), so max over ranks is that value.
+        sums.max("train/grad_norm", sum(grad_norms) / len(grad_norms))
+        sums.max("train/skipped_updates", float(sum(not math.isfinite(g) for g in grad_norms)))
+
+    def optimizer_step(self) -> float:
+        """Clip on the global norm of the sharded gradients and step; skip a non-finite update."""
+        lr = self.scheduler.get_last_lr()[0]
+        max_norm = self.cfg.optim.max_grad_norm or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if torch.isfinite(grad_norm):  # every rank sees the same norm, so all choose alike
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_lr = lr
+        return grad_norm.item()
+
+    def summarize(self, step: int, r: dict[str, float]) -> dict[str, float]:
+        n, updates = r["responses"], self.rl.updates_per_step
+        tokens = r["response_len_sum"]
+        mean = r["reward_sum"] / n
+        out = {
+            "step": step,
+            "rollout/reward_mean": mean,
+            "rollout/reward_std": math.sqrt(max(0.0, r["reward_sq_sum"] / n - mean * mean)),
+            "rollout/response_len_mean": tokens / n,
+            "rollout/truncated_frac": r["truncated_sum"] / n,
+            "train/loss": r["loss"] / updates,
+            "train/pg_loss": r["pg_loss_sum"] / (tokens * updates),
+            "train/kl": r.get("kl_sum", 0.0) / (tokens * updates),
+            "train/ppo_kl": r["ppo_kl_sum"] / (tokens * updates),
+            "train/clipfrac": r["clipfrac_sum"] / (tokens * updates),
+            "train/first_ppo_kl": r["first_ppo_kl_sum"] / tokens,
+            "train/first_clipfrac": r["first_clipfrac_sum"] / tokens,
+            "train/entropy": r["entropy_sum"] / (tokens * updates),
+            "train/grad_norm": r["train/grad_norm"],
+            "train/lr": self.last_lr,
+            "train/skipped_updates": r["train/skipped_updates"],
+            "train/rollout_logprob_diff": r["logprob_diff_sum"] / tokens,
+        }
+        out.update({k: v for k, v in r.items() if k.startswith("time/")})
+        return out

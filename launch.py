@@ -1,8 +1,8 @@
 """hsdp-grpo: compose a config with Hydra, validate it, start the torchrun workers.
 
-    python launch.py parallel=hsdp_r2s2 device=cpu        # 4 ranks: 2 replica groups x 2-way shards
-    python launch.py parallel=hsdp_r2s4 model=qwen3_4b dry_run=true   # the plan, nothing started
-    python launch.py --help                               # config groups and their presets
+python launch.py parallel=hsdp_r2s2 device=cpu        # 4 ranks: 2 replica groups x 2-way shards
+python launch.py parallel=hsdp_r2s4 model=qwen3_4b dry_run=true   # the plan, nothing started
+python launch.py --help                               # config groups and their presets
 """
 
 import hydra

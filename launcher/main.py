@@ -63,6 +63,7 @@ def run(cfg: DictConfig) -> None:
         sys.exit(2)
     if typed.dry_run:
         print(plan(typed))
+        remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
         return
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     typed.run_dir = str(run_dir)

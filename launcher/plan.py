@@ -115,18 +115,28 @@ def plan(cfg: Config) -> str:
         rows.append([f"replica {i}", ranks_str(ranks), ",".join(map(str, nodes))])
     out.append(table(["dp_replicate", "shard group ranks", "node(s)"], rows))
     if any(len({node_of(x) for x in g}) > 1 for g in shard):
-        out.append("warning: a shard group spans nodes; its all-gathers cross the slow link (make dp_shard_size divide nproc_per_node)")
+        out.append(
+            "warning: a shard group spans nodes; its all-gathers cross the slow link (make dp_shard_size divide nproc_per_node)"
+        )
     if r > 1:
-        out.append("replica groups (all-reduce across replicas): " + "  ".join(f"[{ranks_str(g)}]" for g in replica))
+        out.append(
+            "replica groups (all-reduce across replicas): "
+            + "  ".join(f"[{ranks_str(g)}]" for g in replica)
+        )
 
     sharded = n / s
     mem = [
         ["parameters (fp32 master, sharded)", fmt_bytes(4 * sharded)],
         ["gradients (fp32, sharded)", fmt_bytes(4 * sharded)],
         ["AdamW moments (2 x fp32, sharded)", fmt_bytes(8 * sharded)],
-        [f"largest layer gathered x2 ({'bf16' if compute == 2 else 'fp32'})",
-         fmt_bytes(2 * compute * max(counts.per_layer, counts.embedding))],
-        [f"rollout engine weights ({'bf16' if compute == 2 else 'fp32'}, full copy)", fmt_bytes(compute * n)],
+        [
+            f"largest layer gathered x2 ({'bf16' if compute == 2 else 'fp32'})",
+            fmt_bytes(2 * compute * max(counts.per_layer, counts.embedding)),
+        ],
+        [
+            f"rollout engine weights ({'bf16' if compute == 2 else 'fp32'}, full copy)",
+            fmt_bytes(compute * n),
+        ],
     ]
     total = 16 * sharded + 2 * compute * max(counts.per_layer, counts.embedding) + compute * n
     if cfg.rl.kl_coef > 0:
@@ -139,10 +149,17 @@ def plan(cfg: Config) -> str:
     rs = (s - 1) / s * n * reduce
     ar = 2 * (r - 1) / r * (n / s) * reduce if r > 1 else 0.0
     sync = (s - 1) / s * n * compute
-    local_responses = cfg.rl.prompts_per_step * cfg.rl.samples_per_prompt // max(world // p.cp_size, 1)
+    local_responses = (
+        cfg.rl.prompts_per_step * cfg.rl.samples_per_prompt // max(world // p.cp_size, 1)
+    )
     micro = -(-local_responses // cfg.rl.micro_batch_responses) if local_responses else 1
     traffic = [
-        ["all-gather params (fwd + bwd)", f"shard group ({s})", fmt_bytes(ag), fmt_bytes(ag * micro)],
+        [
+            "all-gather params (fwd + bwd)",
+            f"shard group ({s})",
+            fmt_bytes(ag),
+            fmt_bytes(ag * micro),
+        ],
         ["reduce-scatter grads", f"shard group ({s})", fmt_bytes(rs), fmt_bytes(rs * micro)],
         ["all-reduce grad shards", f"replicas ({r})", "-", fmt_bytes(ar)],
         ["gather for rollout weight sync", f"shard group ({s})", "-", fmt_bytes(sync)],

@@ -8,7 +8,6 @@ them into these dataclasses in struct mode). Each field's comment is its documen
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -29,7 +28,7 @@ class ParallelConfig:
     # Worker processes (GPUs) per node.
     nproc_per_node: int = 1
     # host:port of the c10d rendezvous; required when nnodes > 1.
-    rdzv_endpoint: Optional[str] = None
+    rdzv_endpoint: str | None = None
     # Rendezvous id shared by the nodes of one job.
     rdzv_id: str = "hsdp-grpo"
 
@@ -70,11 +69,11 @@ class ModelConfig:
     # Preset name (informational; set by the conf/model file).
     name: str = "qwen3_tiny"
     # Local folder or hub id for `from_pretrained`; null builds `model.arch` with the shipped tokenizer.
-    path: Optional[str] = None
+    path: str | None = None
     # `pretrained` (weights from model.path) | `random` (architecture only, seeded init).
     init: str = "random"
     # Tokenizer folder or hub id; null: model.path's, else the shipped byte-level one.
-    tokenizer_path: Optional[str] = None
+    tokenizer_path: str | None = None
     arch: ArchConfig = field(default_factory=ArchConfig)
     # Dtype of parameters in forward/backward: `auto` (bf16 on cuda, fp32 on cpu) | `bf16` | `fp32`.
     param_dtype: str = "auto"
@@ -93,9 +92,9 @@ class DataConfig:
     # `synthetic` (shipped digit-echo task) | `gsm8k` (datasets: hub id or local parquet/jsonl).
     name: str = "synthetic"
     # gsm8k: hub id or local .parquet / .jsonl / .json file; ignored by synthetic.
-    path: Optional[str] = None
+    path: str | None = None
     # gsm8k: dataset config name on the hub (`main` for openai/gsm8k).
-    hub_config: Optional[str] = None
+    hub_config: str | None = None
     # gsm8k: dataset split.
     split: str = "train"
     # gsm8k: column holding the question.
@@ -105,7 +104,7 @@ class DataConfig:
     # Wrap each prompt with the tokenizer's chat template.
     chat_template: bool = False
     # Optional system message (only with chat_template).
-    system_prompt: Optional[str] = None
+    system_prompt: str | None = None
     # Text appended to every question (e.g. an instruction about the answer format).
     prompt_suffix: str = ""
     # Reward functions by registered name and their weights; the reward is the weighted sum.
@@ -198,9 +197,9 @@ class LoggerConfig:
     mode: str = "offline"
     # W&B project, entity (team or user), group, run name and tags; a sweep fills group and name.
     project: str = "hsdp-grpo"
-    entity: Optional[str] = None
-    group: Optional[str] = None
-    name: Optional[str] = None
+    entity: str | None = None
+    group: str | None = None
+    name: str | None = None
     tags: list[str] = field(default_factory=list)
 
 
@@ -220,7 +219,7 @@ class Config:
     # Print the plan (mesh, memory, traffic) and exit without starting a process.
     dry_run: bool = False
     # Filled in by the launcher: where this run writes config, logs and metrics.
-    run_dir: Optional[str] = None
+    run_dir: str | None = None
 
 
 def register() -> None:

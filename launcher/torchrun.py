@@ -21,12 +21,22 @@ TAIL_LINES = 20
 
 def torchrun_command(cfg: Config, config_path: Path) -> list[str]:
     p = cfg.parallel
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={p.nnodes}",
-           f"--nproc-per-node={p.nproc_per_node}", "--max-restarts=0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={p.nnodes}",
+        f"--nproc-per-node={p.nproc_per_node}",
+        "--max-restarts=0",
+    ]
     if p.nnodes == 1:
         cmd.append("--standalone")
     else:
-        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={p.rdzv_endpoint}", f"--rdzv-id={p.rdzv_id}"]
+        cmd += [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={p.rdzv_endpoint}",
+            f"--rdzv-id={p.rdzv_id}",
+        ]
     return [*cmd, "-m", "trainer.main", str(config_path)]
 
 
@@ -57,8 +67,12 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> int:
     """Run torchrun to completion; return 0, or non-zero after naming the failed rank."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
-        torchrun_command(cfg, config_path), env=worker_env(cfg), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, bufsize=1,
+        torchrun_command(cfg, config_path),
+        env=worker_env(cfg),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
     )
     kept: list[str] = []
     with open(run_dir / "logs" / "launcher.log", "w") as log:

@@ -58,7 +58,11 @@ def world_size(cfg: Config) -> int:
 
 
 def is_hub_id(path: str) -> bool:
-    return not Path(path).exists() and bool(HUB_ID.match(path)) and not path.startswith((".", "/", "~"))
+    return (
+        not Path(path).exists()
+        and bool(HUB_ID.match(path))
+        and not path.startswith((".", "/", "~"))
+    )
 
 
 def local_model_dir(path: str | None) -> Path | None:
@@ -90,7 +94,10 @@ def validate_parallel(cfg: Config, visible_gpus: int, check_gpu_count: bool = Tr
         f"parallel.cp_size={p.cp_size} does not divide the world of {world} ranks "
         f"(nnodes={p.nnodes} x nproc_per_node={p.nproc_per_node}); pick a divisor of {world}",
     )
-    check(p.cp_size == 1, f"parallel.cp_size={p.cp_size}: context parallelism is not implemented yet; use 1")
+    check(
+        p.cp_size == 1,
+        f"parallel.cp_size={p.cp_size}: context parallelism is not implemented yet; use 1",
+    )
     dp = world // p.cp_size
     divisors = ", ".join(str(d) for d in range(1, dp + 1) if dp % d == 0)
     check(
@@ -124,7 +131,10 @@ def validate_model(cfg: Config) -> None:
     one_of("model.reduce_dtype", m.reduce_dtype, REDUCE_DTYPES)
     one_of("model.attn_implementation", m.attn_implementation, ATTN)
     if m.init == "pretrained":
-        check(bool(m.path), "model.init=pretrained needs model.path=/path/to/model (or model.init=random)")
+        check(
+            bool(m.path),
+            "model.init=pretrained needs model.path=/path/to/model (or model.init=random)",
+        )
         if local_model_dir(m.path) is None:
             check(
                 is_hub_id(m.path),
@@ -137,8 +147,15 @@ def validate_model(cfg: Config) -> None:
                 "HF_HUB_OFFLINE is set; download it and set model.path=/local/folder",
             )
     a = m.arch
-    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size"):
+    for key in (
+        "num_hidden_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+    ):
         at_least(f"model.arch.{key}", getattr(a, key), 1)
     check(
         a.num_attention_heads % a.num_key_value_heads == 0,
@@ -153,10 +170,16 @@ def validate_data(cfg: Config) -> None:
     d = cfg.data
     one_of("data.name", d.name, DATASETS)
     if d.name == "gsm8k":
-        check(bool(d.path), "data=gsm8k needs data.path (a hub id such as openai/gsm8k or a local file)")
+        check(
+            bool(d.path),
+            "data=gsm8k needs data.path (a hub id such as openai/gsm8k or a local file)",
+        )
         local = Path(d.path).expanduser()
         if not is_hub_id(d.path):
-            check(local.exists(), f"data.path={d.path!r} does not exist; give a .parquet/.jsonl file or a hub id")
+            check(
+                local.exists(),
+                f"data.path={d.path!r} does not exist; give a .parquet/.jsonl file or a hub id",
+            )
             check(
                 local.is_dir() or local.suffix in DATA_SUFFIXES,
                 f"data.path={d.path!r}: unsupported file type {local.suffix!r}; use .parquet, .jsonl or .json",
@@ -164,7 +187,10 @@ def validate_data(cfg: Config) -> None:
     else:
         at_least("data.num_examples", d.num_examples, 1)
         at_least("data.num_digits", d.num_digits, 1)
-    check(len(d.rewards) > 0, "data.rewards is empty; name at least one reward, e.g. data.rewards={digit_echo:1.0}")
+    check(
+        len(d.rewards) > 0,
+        "data.rewards is empty; name at least one reward, e.g. data.rewards={digit_echo:1.0}",
+    )
     for name, weight in d.rewards.items():
         check(
             name in REWARDS,
@@ -186,6 +212,12 @@ def validate_rl(cfg: Config) -> None:
         f"rl.prompts_per_step={r.prompts_per_step} does not split over {dp} data-parallel ranks; "
         f"use a multiple of {dp}",
     )
+    if cfg.data.name == "synthetic":
+        check(
+            cfg.data.num_examples >= r.prompts_per_step,
+            f"data.num_examples={cfg.data.num_examples} cannot fill one step of "
+            f"rl.prompts_per_step={r.prompts_per_step}; raise it or lower rl.prompts_per_step",
+        )
     positive("rl.temperature", r.temperature)
     check(0 < r.top_p <= 1, f"rl.top_p={r.top_p} must be in (0, 1]")
     check(0 < r.clip_low < 1, f"rl.clip_low={r.clip_low} must be in (0, 1)")
@@ -197,7 +229,10 @@ def validate_rl(cfg: Config) -> None:
     positive("rl.adv_eps", r.adv_eps)
     positive("optim.lr", o.lr)
     at_least("optim.weight_decay", o.weight_decay, 0)
-    check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optim.beta1={o.beta1}, optim.beta2={o.beta2} must be in [0, 1)")
+    check(
+        0 <= o.beta1 < 1 and 0 <= o.beta2 < 1,
+        f"optim.beta1={o.beta1}, optim.beta2={o.beta2} must be in [0, 1)",
+    )
     at_least("optim.max_grad_norm", o.max_grad_norm, 0)
     one_of("optim.schedule", o.schedule, SCHEDULES)
     at_least("optim.warmup_steps", o.warmup_steps, 0)

@@ -1,7 +1,7 @@
 """Write docs/configuration.md from the schema (launcher/schema.py) and the presets in conf/.
 
-    python scripts/gen_config_docs.py          # rewrite the file
-    python scripts/gen_config_docs.py --check  # exit 1 if it is stale (run by the tests)
+python scripts/gen_config_docs.py          # rewrite the file
+python scripts/gen_config_docs.py --check  # exit 1 if it is stale (run by the tests)
 """
 
 from __future__ import annotations
@@ -20,7 +20,11 @@ OUT = ROOT / "docs" / "configuration.md"
 def field_comments(cls: type) -> dict[str, str]:
     """The `#` comment lines directly above each field of `cls` in schema.py."""
     lines = Path(schema.__file__).read_text().splitlines()
-    node = next(n for n in ast.parse("\n".join(lines)).body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    node = next(
+        n
+        for n in ast.parse("\n".join(lines)).body
+        if isinstance(n, ast.ClassDef) and n.name == cls.__name__
+    )
     out = {}
     for stmt in node.body:
         if isinstance(stmt, ast.AnnAssign):
@@ -33,7 +37,9 @@ def field_comments(cls: type) -> dict[str, str]:
 
 
 def type_name(tp: object) -> str:
-    return str(tp).replace("typing.", "").replace("Optional[", "").rstrip("]") + ("?" if "Optional" in str(tp) else "")
+    return str(tp).replace("typing.", "").replace("Optional[", "").rstrip("]") + (
+        "?" if "Optional" in str(tp) else ""
+    )
 
 
 def default_of(f: dataclasses.Field) -> str:
@@ -52,7 +58,9 @@ def section(prefix: str, cls: type) -> list[str]:
         if sub is not None and dataclasses.is_dataclass(sub):
             nested.append((key + ".", sub, " ".join((sub.__doc__ or "").split())))
             continue
-        rows.append(f"| `{key}` | {type_name(f.type)} | {default_of(f)} | {comments.get(f.name, '')} |")
+        rows.append(
+            f"| `{key}` | {type_name(f.type)} | {default_of(f)} | {comments.get(f.name, '')} |"
+        )
     out = []
     if rows:
         out += ["| key | type | default | meaning |", "|---|---|---|---|", *rows, ""]

@@ -41,7 +41,9 @@ def build() -> PreTrainedTokenizerFast:
 
 
 if __name__ == "__main__":
-    out = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parents[1] / "trainer/assets/tokenizer")
+    out = Path(
+        sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parents[1] / "trainer/assets/tokenizer"
+    )
     tok = build()
     tok.save_pretrained(out)
     print(f"wrote {len(tok)} tokens to {out}")

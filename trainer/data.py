@@ -58,7 +58,9 @@ def dataset_prompts(d: DataConfig, tokenizer) -> list[Prompt]:
         if d.chat_template:
             messages = [{"role": "system", "content": d.system_prompt}] if d.system_prompt else []
             messages.append({"role": "user", "content": question})
-            question = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            question = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
         out.append(Prompt(text=question, answer=str(row[d.answer_key])))
     if not out:
         raise ValueError(f"data.path={d.path!r} split {d.split!r} has no rows")
@@ -72,31 +74,31 @@ def load_prompts(d: DataConfig, tokenizer, seed: int) -> list[Prompt]:
 class PromptSampler:
     """Which prompts each data-parallel rank takes at each step.
 
-    The global order is an endless concatenation of epochs, each a permutation of all
-    prompts seeded by (seed, epoch). Step t takes the next `prompts_per_step` of it, and dp
-    rank i the i-th contiguous slice: every one of the R*S ranks gets distinct prompts, and
-    the union over ranks is the same whatever R and S are.
+    Epoch e is a permutation of all prompts seeded by (seed, e), cut into steps of
+    `prompts_per_step` (the few left over are dropped, different ones each epoch). Step t
+    takes one such slice and dp rank i the i-th contiguous part of it: every one of the R*S
+    ranks gets distinct prompts, and the union over ranks is the same whatever R and S are.
     """
 
     def __init__(self, num_prompts: int, prompts_per_step: int, dp_rank: int, dp_size: int, seed: int):
+        if num_prompts < prompts_per_step:
+            raise ValueError(f"{num_prompts} prompts cannot fill one step of rl.prompts_per_step={prompts_per_step}")
         self.num_prompts, self.prompts_per_step = num_prompts, prompts_per_step
+        self.steps_per_epoch = num_prompts // prompts_per_step
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self._perms: dict[int, list[int]] = {}
+        self._perm: tuple[int, list[int]] | None = None
 
     def permutation(self, epoch: int) -> list[int]:
-        if epoch not in self._perms:
+        if self._perm is None or self._perm[0] != epoch:  # steps move forward: keep one epoch
             order = list(range(self.num_prompts))
             random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._perms = {epoch: order}  # steps move forward: keep one epoch
-        return self._perms[epoch]
+            self._perm = (epoch, order)
+        return self._perm[1]
 
     def global_indices(self, step: int) -> list[int]:
-        start = step * self.prompts_per_step
-        out = []
-        for pos in range(start, start + self.prompts_per_step):
-            epoch, offset = divmod(pos, self.num_prompts)
-            out.append(self.permutation(epoch)[offset])
-        return out
+        epoch, k = divmod(step, self.steps_per_epoch)
+        start = k * self.prompts_per_step
+        return self.permutation(epoch)[start : start + self.prompts_per_step]
 
     def indices(self, step: int) -> list[int]:
         per_rank = self.prompts_per_step // self.dp_size

@@ -50,7 +50,11 @@ def token_logprobs(
     flat_logits, flat_targets = logits_NTV.reshape(n * t, v), targets_NT.reshape(n * t)
     logps, ents = [], []
     for start in range(0, n * t, chunk_tokens):
-        args = (flat_logits[start : start + chunk_tokens], flat_targets[start : start + chunk_tokens], temperature)
+        args = (
+            flat_logits[start : start + chunk_tokens],
+            flat_targets[start : start + chunk_tokens],
+            temperature,
+        )
         if torch.is_grad_enabled() and flat_logits.requires_grad:
             lp, en = checkpoint(_logprob_entropy, *args, use_reentrant=False)
         else:
@@ -72,8 +76,13 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     raise ValueError(f"unknown kl estimator {estimator!r}")
 
 
-def loss_weights(mask_NT: torch.Tensor, agg: str, global_tokens: float, global_responses: float,
-                 max_new_tokens: int) -> torch.Tensor:
+def loss_weights(
+    mask_NT: torch.Tensor,
+    agg: str,
+    global_tokens: float,
+    global_responses: float,
+    max_new_tokens: int,
+) -> torch.Tensor:
     """Per-token weights whose masked sum over the whole (global) batch is the aggregated loss."""
     mask = mask_NT.float()
     if agg == "token_mean":

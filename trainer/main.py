@@ -81,7 +81,9 @@ def smoke_test(model: torch.nn.Module, ps: ParallelState, vocab_size: int) -> fl
     loss.backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     if missing or not torch.isfinite(loss):
-        raise RuntimeError(f"smoke test failed: loss={loss.item()}, parameters without grad: {missing}")
+        raise RuntimeError(
+            f"smoke test failed: loss={loss.item()}, parameters without grad: {missing}"
+        )
     return loss.item()
 
 

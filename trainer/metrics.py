@@ -66,15 +66,24 @@ class MetricsLogger:
             import wandb
 
             run = wandb.init(
-                project=lg.project, entity=lg.entity, group=lg.group, name=lg.name, tags=list(lg.tags),
-                config=dataclasses.asdict(self.cfg), dir=self.cfg.run_dir, mode=lg.mode,
+                project=lg.project,
+                entity=lg.entity,
+                group=lg.group,
+                name=lg.name,
+                tags=list(lg.tags),
+                config=dataclasses.asdict(self.cfg),
+                dir=self.cfg.run_dir,
+                mode=lg.mode,
                 settings=wandb.Settings(console="off", quiet=True),
             )
             run.define_metric("step")
             run.define_metric("*", step_metric="step")
             return run
         except Exception as e:  # the dashboard is optional; training is not
-            warnings.warn(f"W&B could not start ({type(e).__name__}: {e}); logging to metrics.jsonl only", stacklevel=1)
+            warnings.warn(
+                f"W&B could not start ({type(e).__name__}: {e}); logging to metrics.jsonl only",
+                stacklevel=1,
+            )
             return None
 
     def log(self, metrics: dict[str, float]) -> None:
@@ -98,7 +107,8 @@ class MetricsLogger:
             f"step {step}/{total} | reward {m['rollout/reward_mean']:.3f} | len {m['rollout/response_len_mean']:.1f}"
             f" | loss {m['train/loss']:+.4f} | kl {m['train/kl']:.4f} | grad {m['train/grad_norm']:.3f}"
             f" | {m['time/step_s']:.2f}s/step | eta {eta:.0f}s",
-            file=sys.stdout, flush=True,
+            file=sys.stdout,
+            flush=True,
         )
 
     def close(self) -> None:

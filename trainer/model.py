@@ -16,7 +16,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, Qwen3Config
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    Qwen3Config,
+)
 
 from launcher.schema import ModelConfig
 from launcher.validate import local_model_dir
@@ -49,7 +55,11 @@ def load_tokenizer(m: ModelConfig):
     """model.tokenizer_path, else model.path's tokenizer when it is here, else the shipped one."""
     path = m.tokenizer_path
     if path is None:
-        path = m.path if local_model_dir(m.path) is not None or m.init == "pretrained" else SHIPPED_TOKENIZER
+        path = (
+            m.path
+            if local_model_dir(m.path) is not None or m.init == "pretrained"
+            else SHIPPED_TOKENIZER
+        )
     tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=m.trust_remote_code)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
@@ -63,7 +73,9 @@ def compute_dtype(m: ModelConfig, device_type: str) -> torch.dtype:
 
 
 def mp_policy(m: ModelConfig, device_type: str) -> MixedPrecisionPolicy:
-    return MixedPrecisionPolicy(param_dtype=compute_dtype(m, device_type), reduce_dtype=DTYPES[m.reduce_dtype])
+    return MixedPrecisionPolicy(
+        param_dtype=compute_dtype(m, device_type), reduce_dtype=DTYPES[m.reduce_dtype]
+    )
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -101,7 +113,9 @@ def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
                 getattr(module, buf_name).data = buf.to(device)
 
 
-def build_model(m: ModelConfig, mesh, device: torch.device, seed: int, requires_grad: bool = True) -> nn.Module:
+def build_model(
+    m: ModelConfig, mesh, device: torch.device, seed: int, requires_grad: bool = True
+) -> nn.Module:
     """A Qwen3 causal LM sharded with FSDP2 on `mesh`, weights broadcast from rank 0."""
     config = hf_config(m)
     with torch.device("meta"):

@@ -96,7 +96,10 @@ class ParallelState:
     def describe(self) -> str:
         """One line with this rank's coordinates in every mesh view."""
         fsdp = self.get_mesh("fsdp")
-        coords = ", ".join(f"{n}={fsdp.get_local_rank(n)}/{fsdp.size(i)}" for i, n in enumerate(fsdp.mesh_dim_names))
+        coords = ", ".join(
+            f"{n}={fsdp.get_local_rank(n)}/{fsdp.size(i)}"
+            for i, n in enumerate(fsdp.mesh_dim_names)
+        )
         return (
             f"rank {self.rank}/{self.world_size} on {self.device}: dp={self.dp_rank}/{self.dp_size}, "
             f"cp={self.get_mesh('cp').get_local_rank()}/{self.cp_size}, fsdp[{coords}]"

@@ -41,7 +41,9 @@ class Rollout:
 class RolloutEngine(Protocol):
     def load_weights(self, policy: nn.Module) -> None: ...
 
-    def generate(self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams) -> Rollout: ...
+    def generate(
+        self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams
+    ) -> Rollout: ...
 
 
 def fsdp_units(policy: nn.Module) -> list[nn.Module]:
@@ -68,9 +70,13 @@ def copy_sharded_weights(policy: nn.Module, target: nn.Module) -> None:
 class HFRolloutEngine:
     """A plain transformers copy of the policy, sampled with `generate` (left-padded batch)."""
 
-    def __init__(self, config, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa"):
+    def __init__(
+        self, config, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa"
+    ):
         with torch.device(device):
-            self.model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+            self.model = AutoModelForCausalLM.from_config(
+                config, dtype=dtype, attn_implementation=attn_implementation
+            )
         self.model.eval().requires_grad_(False)
         self.device = device
 
@@ -78,7 +84,9 @@ class HFRolloutEngine:
         copy_sharded_weights(policy, self.model)
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams) -> Rollout:
+    def generate(
+        self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams
+    ) -> Rollout:
         rows = [p for p in prompts for _ in range(samples_per_prompt)]
         width = max(map(len, rows))
         input_ids = torch.full((len(rows), width), params.pad_token_id, dtype=torch.long)
@@ -87,26 +95,42 @@ class HFRolloutEngine:
             input_ids[i, width - len(p) :] = torch.tensor(p)
             attention_mask[i, width - len(p) :] = 1
         generation = GenerationConfig(
-            do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
-            max_new_tokens=params.max_new_tokens, eos_token_id=params.eos_token_id,
-            pad_token_id=params.pad_token_id, output_logits=True, return_dict_in_generate=True,
+            do_sample=True,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=params.eos_token_id,
+            pad_token_id=params.pad_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
         out = self.model.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
             generation_config=generation,
         )
         new_NT = out.sequences[:, width:]
         # out.logits: one (N, V) tensor per step, raw (before temperature and top-p); one
         # step at a time so no (N, T, V) fp32 tensor is made.
-        logp_NT = torch.stack([
-            F.log_softmax(step_NV.float() / params.temperature, dim=-1).gather(-1, new_NT[:, t, None]).squeeze(-1)
-            for t, step_NV in enumerate(out.logits)
-        ], dim=1).cpu()
+        logp_NT = torch.stack(
+            [
+                F.log_softmax(step_NV.float() / params.temperature, dim=-1)
+                .gather(-1, new_NT[:, t, None])
+                .squeeze(-1)
+                for t, step_NV in enumerate(out.logits)
+            ],
+            dim=1,
+        ).cpu()
         new_NT = new_NT.cpu()
         responses, logprobs, truncated = [], [], []
         for i in range(len(rows)):
             tokens = new_NT[i].tolist()
-            end = tokens.index(params.eos_token_id) + 1 if params.eos_token_id in tokens else len(tokens)
+            end = (
+                tokens.index(params.eos_token_id) + 1
+                if params.eos_token_id in tokens
+                else len(tokens)
+            )
             responses.append(tokens[:end])
             logprobs.append(logp_NT[i, :end])
             truncated.append(params.eos_token_id not in tokens[:end])

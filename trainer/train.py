@@ -47,8 +47,13 @@ class Batch:
         return self.input_ids_NL.shape[0]
 
 
-def collate(rollout: Rollout, rewards_N: torch.Tensor, advantages_N: torch.Tensor, pad_id: int,
-            device: torch.device) -> Batch:
+def collate(
+    rollout: Rollout,
+    rewards_N: torch.Tensor,
+    advantages_N: torch.Tensor,
+    pad_id: int,
+    device: torch.device,
+) -> Batch:
     n = len(rollout.response_ids)
     width = max(len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids))
     ids = torch.full((n, width), pad_id, dtype=torch.long)
@@ -62,8 +67,16 @@ def collate(rollout: Rollout, rewards_N: torch.Tensor, advantages_N: torch.Tenso
         mask[i, len(p) - 1 : len(p) + len(r) - 1] = 1
         sampling[i, len(p) - 1 : len(p) + len(r) - 1] = rollout.sampling_logprobs[i]
     lengths = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.float)
-    return Batch(ids.to(device), attn.to(device), mask.to(device), sampling.to(device), advantages_N.to(device),
-                 rewards_N.to(device), lengths.to(device), torch.tensor(rollout.truncated, dtype=torch.float).to(device))
+    return Batch(
+        ids.to(device),
+        attn.to(device),
+        mask.to(device),
+        sampling.to(device),
+        advantages_N.to(device),
+        rewards_N.to(device),
+        lengths.to(device),
+        torch.tensor(rollout.truncated, dtype=torch.float).to(device),
+    )
 
 
 def lr_factor(o: OptimConfig, total_steps: int):
@@ -79,7 +92,9 @@ def lr_factor(o: OptimConfig, total_steps: int):
 
 
 def sequence_logprobs(model: nn.Module, batch: Batch, rows: slice, temperature: float):
-    logits = model(input_ids=batch.input_ids_NL[rows], attention_mask=batch.attention_mask_NL[rows]).logits
+    logits = model(
+        input_ids=batch.input_ids_NL[rows], attention_mask=batch.attention_mask_NL[rows]
+    ).logits
     return token_logprobs(logits[:, :-1], batch.input_ids_NL[rows, 1:], temperature)
 
 
@@ -89,21 +104,41 @@ class GRPOTrainer:
         self.rl, device = cfg.rl, ps.device
         self.tokenizer = load_tokenizer(cfg.model)
         self.prompts = load_prompts(cfg.data, self.tokenizer, cfg.trainer.seed)
-        self.sampler = PromptSampler(len(self.prompts), self.rl.prompts_per_step, ps.dp_rank, ps.dp_size,
-                                     cfg.trainer.seed)
-        self.sampling = SamplingParams(self.rl.temperature, self.rl.top_p, self.rl.max_new_tokens,
-                                       self.tokenizer.eos_token_id, self.tokenizer.pad_token_id)
-        self.engine = HFRolloutEngine(model.config, compute_dtype(cfg.model, device.type), device,
-                                      cfg.model.attn_implementation)
+        self.sampler = PromptSampler(
+            len(self.prompts), self.rl.prompts_per_step, ps.dp_rank, ps.dp_size, cfg.trainer.seed
+        )
+        self.sampling = SamplingParams(
+            self.rl.temperature,
+            self.rl.top_p,
+            self.rl.max_new_tokens,
+            self.tokenizer.eos_token_id,
+            self.tokenizer.pad_token_id,
+        )
+        self.engine = HFRolloutEngine(
+            model.config,
+            compute_dtype(cfg.model, device.type),
+            device,
+            cfg.model.attn_implementation,
+        )
         self.engine.load_weights(model)
         self.reference = None
         if self.rl.kl_coef > 0:
-            self.reference = build_model(cfg.model, ps.get_mesh("fsdp"), device, cfg.trainer.seed, requires_grad=False)
+            self.reference = build_model(
+                cfg.model, ps.get_mesh("fsdp"), device, cfg.trainer.seed, requires_grad=False
+            )
         o = cfg.optim
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay, foreach=True)
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(),
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            foreach=True,
+        )
         total_updates = cfg.trainer.max_steps * self.rl.updates_per_step
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(o, total_updates))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_factor(o, total_updates)
+        )
         self.metrics = MetricsLogger(cfg, is_main=ps.rank == 0)
         self.dp_group = ps.get_mesh("dp").get_group()
 
@@ -128,8 +163,13 @@ class GRPOTrainer:
             self.engine.load_weights(self.model)
             self.sync()
             t4 = time.perf_counter()
-            for name, seconds in (("rollout", t1 - t0), ("ref", t2 - t1), ("train", t3 - t2), ("sync", t4 - t3),
-                                  ("step", t4 - t0)):
+            for name, seconds in (
+                ("rollout", t1 - t0),
+                ("ref", t2 - t1),
+                ("train", t3 - t2),
+                ("sync", t4 - t3),
+                ("step", t4 - t0),
+            ):
                 sums.max(f"time/{name}_s", seconds)
             self.metrics.log(self.summarize(step, sums.reduce(self.dp_group)))
         self.metrics.close()
@@ -142,9 +182,15 @@ class GRPOTrainer:
         torch.manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.ps.dp_rank)
         rollout = self.engine.generate(prompt_ids, g, self.sampling)
         texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
-        rewards_N = torch.tensor([score(t, prompts[i // g].answer, self.cfg.data.rewards) for i, t in enumerate(texts)])
-        advantages_N = group_advantages(rewards_N.view(-1, g), self.rl.std_normalize, self.rl.adv_eps).view(-1)
-        batch = collate(rollout, rewards_N, advantages_N, self.tokenizer.pad_token_id, self.ps.device)
+        rewards_N = torch.tensor(
+            [score(t, prompts[i // g].answer, self.cfg.data.rewards) for i, t in enumerate(texts)]
+        )
+        advantages_N = group_advantages(
+            rewards_N.view(-1, g), self.rl.std_normalize, self.rl.adv_eps
+        ).view(-1)
+        batch = collate(
+            rollout, rewards_N, advantages_N, self.tokenizer.pad_token_id, self.ps.device
+        )
         sums.add("responses", batch.size)
         sums.add("reward_sum", batch.rewards_N.sum())
         sums.add("reward_sq_sum", batch.rewards_N.square().sum())
@@ -164,15 +210,21 @@ class GRPOTrainer:
         return out
 
     def global_counts(self, batch: Batch) -> tuple[float, float]:
-        t = torch.stack([batch.mask_NT.sum().double(), torch.tensor(float(batch.size), dtype=torch.float64,
-                                                                    device=batch.mask_NT.device)])
+        t = torch.stack(
+            [
+                batch.mask_NT.sum().double(),
+                torch.tensor(float(batch.size), dtype=torch.float64, device=batch.mask_NT.device),
+            ]
+        )
         dist.all_reduce(t, group=self.dp_group)
         return t[0].item(), t[1].item()
 
     def update(self, batch: Batch, sums: DPSums) -> None:
         rl, dp = self.rl, self.ps.dp_size
         global_tokens, global_responses = self.global_counts(batch)
-        weights_NT = loss_weights(batch.mask_NT, rl.loss_agg, global_tokens, global_responses, rl.max_new_tokens)
+        weights_NT = loss_weights(
+            batch.mask_NT, rl.loss_agg, global_tokens, global_responses, rl.max_new_tokens
+        )
         old_logp_NT = torch.zeros_like(batch.sampling_logp_NT)
         chunks = self.micro_batches(batch.size)
         grad_norms: list[float] = []
@@ -185,10 +237,16 @@ class GRPOTrainer:
                 if u == 0:
                     old_logp_NT[rows] = logp.detach()
                 token_loss, stats = grpo_token_loss(
-                    logp, old_logp_NT[rows], batch.advantages_N[rows], rl.clip_low, rl.clip_high,
+                    logp,
+                    old_logp_NT[rows],
+                    batch.advantages_N[rows],
+                    rl.clip_low,
+                    rl.clip_high,
                     ref_logp=None if batch.ref_logp_NT is None else batch.ref_logp_NT[rows],
-                    kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
-                    entropy=entropy if rl.entropy_coef > 0 else entropy.detach(), entropy_coef=rl.entropy_coef,
+                    kl_coef=rl.kl_coef,
+                    kl_estimator=rl.kl_estimator,
+                    entropy=entropy if rl.entropy_coef > 0 else entropy.detach(),
+                    entropy_coef=rl.entropy_coef,
                 )
                 loss = (token_loss * weights_NT[rows]).sum()
                 # FSDP averages gradients over the dp ranks; the weights already divide by

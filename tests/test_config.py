@@ -1,0 +1,86 @@
+"""Every preset composes to the layout its name promises; the CLI shows it; docs are current."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CONF, REPO, compose_config, launch
+
+PRESETS = {
+    "single": (1, 1, 1, 1),
+    "fsdp": (1, 8, 1, 8),
+    "hsdp_r1s2": (1, 2, 1, 2),
+    "hsdp_r2s1": (2, 1, 1, 2),
+    "hsdp_r1s4": (1, 4, 1, 4),
+    "hsdp_r2s2": (2, 2, 1, 4),
+    "hsdp_r4s1": (4, 1, 1, 4),
+    "hsdp_r1s8": (1, 8, 1, 8),
+    "hsdp_r2s4": (2, 4, 1, 8),
+    "hsdp_r4s2": (4, 2, 1, 8),
+    "hsdp_r8s1": (8, 1, 1, 8),
+    "hsdp_r2s8_2nodes": (2, 8, 2, 8),
+}
+
+
+def test_every_parallel_file_is_listed():
+    assert {p.stem for p in (CONF / "parallel").glob("*.yaml")} == set(PRESETS)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_composes_to_its_layout(name):
+    p = compose_config(f"parallel={name}").parallel
+    r, s, nnodes, nproc = PRESETS[name]
+    assert (p.dp_replicate_size, p.dp_shard_size, p.nnodes, p.nproc_per_node, p.cp_size) == (r, s, nnodes, nproc, 1)
+    assert p.dp_replicate_size * p.dp_shard_size == p.nnodes * p.nproc_per_node
+
+
+def test_fsdp_shards_over_every_rank_it_is_given():
+    p = compose_config("parallel=fsdp", "parallel.nproc_per_node=4").parallel
+    assert (p.dp_replicate_size, p.dp_shard_size) == (1, 4)
+
+
+@pytest.mark.parametrize("group", ["model", "data", "rl", "logger"])
+def test_every_group_option_composes(group):
+    for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+        cfg = compose_config(f"{group}={option}")
+        assert getattr(cfg, group) is not None
+
+
+def test_qwen3_4b_is_the_public_architecture():
+    a = compose_config("model=qwen3_4b").model.arch
+    assert (a.num_hidden_layers, a.hidden_size, a.intermediate_size) == (36, 2560, 9728)
+    assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.vocab_size) == (32, 8, 128, 151936)
+    assert a.tie_word_embeddings and a.rope_theta == 1e6
+
+
+def test_rl_presets():
+    grpo, dr, dapo = (compose_config(f"rl={n}").rl for n in ("grpo", "dr_grpo", "dapo"))
+    assert (grpo.std_normalize, grpo.loss_agg, grpo.clip_low, grpo.clip_high) == (True, "token_mean", 0.2, 0.2)
+    assert (dr.std_normalize, dr.loss_agg) == (False, "seq_mean_token_sum_norm")
+    assert (dapo.clip_low, dapo.clip_high, dapo.loss_agg, dapo.kl_coef) == (0.2, 0.28, "token_mean", 0.0)
+
+
+def test_cfg_job_shows_the_layout():
+    out = launch("parallel=hsdp_r2s2", "--cfg", "job")
+    assert out.returncode == 0, out.stderr
+    assert "dp_replicate_size: 2" in out.stdout and "dp_shard_size: 2" in out.stdout
+
+
+def test_unknown_key_is_rejected():
+    out = launch("parallel.dp_replicat_size=2", "--cfg", "job")
+    assert out.returncode != 0
+    assert "dp_replicat_size" in out.stderr
+
+
+def test_help_lists_groups_and_presets():
+    out = launch("--help")
+    assert out.returncode == 0
+    for line in ("parallel: fsdp, hsdp_r1s2", "model: qwen3_0_6b, qwen3_4b, qwen3_tiny", "rl: dapo, dr_grpo, grpo"):
+        assert line in out.stdout
+
+
+def test_configuration_docs_are_current():
+    out = subprocess.run([sys.executable, "scripts/gen_config_docs.py", "--check"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout

@@ -1,0 +1,112 @@
+"""GRPO math against values worked out by hand on small tensors."""
+
+import math
+
+import pytest
+import torch
+
+from trainer.grpo import group_advantages, grpo_token_loss, kl_penalty, loss_weights, token_logprobs
+
+
+def test_group_advantages_std_and_dr_grpo():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0]])
+    # group 0: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735; group 1: no spread, no signal
+    adv = group_advantages(rewards, std_normalize=True, eps=0.0 + 1e-6)
+    expected = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    torch.testing.assert_close(adv[0], torch.tensor([expected, -expected, -expected, expected]))
+    assert torch.equal(adv[1], torch.zeros(4))
+    dr = group_advantages(rewards, std_normalize=False, eps=1e-6)
+    torch.testing.assert_close(dr[0], torch.tensor([0.5, -0.5, -0.5, 0.5]))
+
+
+def loss_at(ratio: float, adv: float, clip_low=0.2, clip_high=0.2):
+    logp = torch.tensor([[math.log(ratio)]])
+    loss, stats = grpo_token_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), clip_low, clip_high)
+    return loss.item(), stats["clipfrac"].item()
+
+
+@pytest.mark.parametrize(
+    "ratio,adv,clip_high,expected_loss,clipped",
+    [
+        (1.25, +1.0, 0.20, -1.20, 1.0),  # good token pushed past 1 + 0.2: clipped, no gradient
+        (1.25, +1.0, 0.28, -1.25, 0.0),  # clip-higher (DAPO) leaves it room
+        (0.75, -1.0, 0.20, +0.80, 1.0),  # bad token pushed below 1 - 0.2: clipped
+        (1.25, -1.0, 0.20, +1.25, 0.0),  # bad token made likelier: pessimistic bound, unclipped
+        (0.75, +1.0, 0.20, -0.75, 0.0),  # good token made less likely: unclipped
+        (1.00, +1.0, 0.20, -1.00, 0.0),  # on-policy
+    ],
+)
+def test_clipped_ratio_loss(ratio, adv, clip_high, expected_loss, clipped):
+    loss, frac = loss_at(ratio, adv, clip_high=clip_high)
+    assert loss == pytest.approx(expected_loss, abs=1e-6)
+    assert frac == clipped
+
+
+def test_clip_high_asymmetry_only_moves_the_upper_bound():
+    assert loss_at(0.7, -1.0, clip_low=0.2, clip_high=0.28) == pytest.approx((0.8, 1.0))
+    assert loss_at(1.3, +1.0, clip_low=0.2, clip_high=0.28) == pytest.approx((-1.28, 1.0))
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -2.0])  # x = logp - ref = 1, 0
+    torch.testing.assert_close(kl_penalty(logp, ref, "k1"), torch.tensor([1.0, 0.0]))
+    torch.testing.assert_close(kl_penalty(logp, ref, "k2"), torch.tensor([0.5, 0.0]))
+    torch.testing.assert_close(kl_penalty(logp, ref, "k3"), torch.tensor([math.exp(-1.0), 0.0]))
+    assert (kl_penalty(torch.randn(100), torch.randn(100), "k3") >= 0).all()
+
+
+def test_kl_and_entropy_terms_enter_the_loss():
+    logp, ref = torch.tensor([[-1.0]]), torch.tensor([[-2.0]])
+    entropy = torch.tensor([[0.5]])
+    loss, stats = grpo_token_loss(logp, logp, torch.tensor([2.0]), 0.2, 0.2, ref_logp=ref, kl_coef=0.1,
+                                  kl_estimator="k1", entropy=entropy, entropy_coef=0.01)
+    assert loss.item() == pytest.approx(-2.0 + 0.1 * 1.0 - 0.01 * 0.5)
+    assert stats["kl"].item() == pytest.approx(1.0) and stats["ppo_kl"].item() == 0.0
+
+
+def test_aggregations_and_masking():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    tok = loss_weights(mask, "token_mean", global_tokens=3, global_responses=2, max_new_tokens=4)
+    seq = loss_weights(mask, "seq_mean_token_mean", global_tokens=3, global_responses=2, max_new_tokens=4)
+    drg = loss_weights(mask, "seq_mean_token_sum_norm", global_tokens=3, global_responses=2, max_new_tokens=4)
+    torch.testing.assert_close(tok, torch.tensor([[1 / 3, 1 / 3, 0], [1 / 3, 0, 0]]))
+    torch.testing.assert_close(seq, torch.tensor([[0.25, 0.25, 0], [0.5, 0, 0]]))
+    torch.testing.assert_close(drg, torch.tensor([[0.125, 0.125, 0], [0.125, 0, 0]]))
+    per_token = torch.tensor([[1.0, 2.0, 1e6], [4.0, 1e6, 1e6]])  # padding holds garbage
+    assert (per_token * tok).sum().item() == pytest.approx(7 / 3)
+    assert (per_token * seq).sum().item() == pytest.approx((1.5 + 4.0) / 2)
+    assert (per_token * drg).sum().item() == pytest.approx((3.0 + 4.0) / 8)
+
+
+def test_global_weights_split_over_ranks_sum_to_the_whole():
+    """Two 'ranks' holding halves of a batch, weighted by global counts, add up to the whole."""
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    values = torch.arange(12.0).view(4, 3)
+    for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
+        whole = (values * loss_weights(mask, agg, 7, 4, 3)).sum()
+        halves = sum((values[i] * loss_weights(mask[i], agg, 7, 4, 3)).sum() for i in (slice(0, 2), slice(2, 4)))
+        torch.testing.assert_close(halves, whole)
+
+
+def test_token_logprobs_by_hand_with_temperature():
+    logits = torch.tensor([[[0.0, math.log(3.0)]]])
+    logp, ent = token_logprobs(logits, torch.tensor([[1]]), temperature=1.0)
+    assert logp.item() == pytest.approx(math.log(0.75))
+    assert ent.item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+    logp2, _ = token_logprobs(logits, torch.tensor([[1]]), temperature=2.0)
+    p = math.sqrt(3) / (1 + math.sqrt(3))  # softmax([0, ln 3] / 2)
+    assert logp2.item() == pytest.approx(math.log(p))
+
+
+def test_token_logprobs_chunking_changes_nothing():
+    logits = torch.randn(3, 5, 11, requires_grad=True)
+    targets = torch.randint(0, 11, (3, 5))
+    a, ea = token_logprobs(logits, targets, 0.7, chunk_tokens=4)
+    (ga,) = torch.autograd.grad(a.sum() + ea.sum(), logits)
+    b, eb = token_logprobs(logits, targets, 0.7, chunk_tokens=10_000)
+    (gb,) = torch.autograd.grad(b.sum() + eb.sum(), logits)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(ea, eb)
+    torch.testing.assert_close(ga, gb)
+    ref = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
+    torch.testing.assert_close(a, ref)

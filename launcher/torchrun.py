@@ -52,7 +52,8 @@ def worker_env(cfg: Config) -> dict[str, str]:
 
 
 def describe_failure(output: str, run_dir: Path, code: int) -> str:
-    match = FAILED_RANK.search(output)
+    # torchrun lists every rank it stopped, then the one that failed first: read that one.
+    match = FAILED_RANK.search(output[output.rfind("Root Cause") :])
     if not match:
         return f"error: the workers exited with code {code}; logs are in {run_dir / 'logs'}"
     rank, exitcode = int(match[1]), int(match[2])

@@ -36,15 +36,32 @@ def launch(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess
     """`python launch.py OVERRIDES` as a user types it."""
     return subprocess.run(
         [sys.executable, str(REPO / "launch.py"), *overrides],
-        cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
-def torchrun(script: str, nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def torchrun(
+    script: str, nproc: int, *args: str, timeout: float = 300
+) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-         str(REPO / "tests" / "dist" / script), *args],
-        cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            str(REPO / "tests" / "dist" / script),
+            *args,
+        ],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc

@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import CONF, REPO, compose_config, launch
 
 PRESETS = {
@@ -31,7 +30,13 @@ def test_every_parallel_file_is_listed():
 def test_preset_composes_to_its_layout(name):
     p = compose_config(f"parallel={name}").parallel
     r, s, nnodes, nproc = PRESETS[name]
-    assert (p.dp_replicate_size, p.dp_shard_size, p.nnodes, p.nproc_per_node, p.cp_size) == (r, s, nnodes, nproc, 1)
+    assert (p.dp_replicate_size, p.dp_shard_size, p.nnodes, p.nproc_per_node, p.cp_size) == (
+        r,
+        s,
+        nnodes,
+        nproc,
+        1,
+    )
     assert p.dp_replicate_size * p.dp_shard_size == p.nnodes * p.nproc_per_node
 
 
@@ -50,15 +55,30 @@ def test_every_group_option_composes(group):
 def test_qwen3_4b_is_the_public_architecture():
     a = compose_config("model=qwen3_4b").model.arch
     assert (a.num_hidden_layers, a.hidden_size, a.intermediate_size) == (36, 2560, 9728)
-    assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.vocab_size) == (32, 8, 128, 151936)
+    assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.vocab_size) == (
+        32,
+        8,
+        128,
+        151936,
+    )
     assert a.tie_word_embeddings and a.rope_theta == 1e6
 
 
 def test_rl_presets():
     grpo, dr, dapo = (compose_config(f"rl={n}").rl for n in ("grpo", "dr_grpo", "dapo"))
-    assert (grpo.std_normalize, grpo.loss_agg, grpo.clip_low, grpo.clip_high) == (True, "token_mean", 0.2, 0.2)
+    assert (grpo.std_normalize, grpo.loss_agg, grpo.clip_low, grpo.clip_high) == (
+        True,
+        "token_mean",
+        0.2,
+        0.2,
+    )
     assert (dr.std_normalize, dr.loss_agg) == (False, "seq_mean_token_sum_norm")
-    assert (dapo.clip_low, dapo.clip_high, dapo.loss_agg, dapo.kl_coef) == (0.2, 0.28, "token_mean", 0.0)
+    assert (dapo.clip_low, dapo.clip_high, dapo.loss_agg, dapo.kl_coef) == (
+        0.2,
+        0.28,
+        "token_mean",
+        0.0,
+    )
 
 
 def test_cfg_job_shows_the_layout():
@@ -76,11 +96,19 @@ def test_unknown_key_is_rejected():
 def test_help_lists_groups_and_presets():
     out = launch("--help")
     assert out.returncode == 0
-    for line in ("parallel: fsdp, hsdp_r1s2", "model: qwen3_0_6b, qwen3_4b, qwen3_tiny", "rl: dapo, dr_grpo, grpo"):
+    for line in (
+        "parallel: fsdp, hsdp_r1s2",
+        "model: qwen3_0_6b, qwen3_4b, qwen3_tiny",
+        "rl: dapo, dr_grpo, grpo",
+    ):
         assert line in out.stdout
 
 
 def test_configuration_docs_are_current():
-    out = subprocess.run([sys.executable, "scripts/gen_config_docs.py", "--check"], cwd=REPO,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "scripts/gen_config_docs.py", "--check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stdout

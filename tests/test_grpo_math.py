@@ -58,8 +58,18 @@ def test_kl_estimators_by_hand():
 def test_kl_and_entropy_terms_enter_the_loss():
     logp, ref = torch.tensor([[-1.0]]), torch.tensor([[-2.0]])
     entropy = torch.tensor([[0.5]])
-    loss, stats = grpo_token_loss(logp, logp, torch.tensor([2.0]), 0.2, 0.2, ref_logp=ref, kl_coef=0.1,
-                                  kl_estimator="k1", entropy=entropy, entropy_coef=0.01)
+    loss, stats = grpo_token_loss(
+        logp,
+        logp,
+        torch.tensor([2.0]),
+        0.2,
+        0.2,
+        ref_logp=ref,
+        kl_coef=0.1,
+        kl_estimator="k1",
+        entropy=entropy,
+        entropy_coef=0.01,
+    )
     assert loss.item() == pytest.approx(-2.0 + 0.1 * 1.0 - 0.01 * 0.5)
     assert stats["kl"].item() == pytest.approx(1.0) and stats["ppo_kl"].item() == 0.0
 
@@ -67,8 +77,12 @@ def test_kl_and_entropy_terms_enter_the_loss():
 def test_aggregations_and_masking():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     tok = loss_weights(mask, "token_mean", global_tokens=3, global_responses=2, max_new_tokens=4)
-    seq = loss_weights(mask, "seq_mean_token_mean", global_tokens=3, global_responses=2, max_new_tokens=4)
-    drg = loss_weights(mask, "seq_mean_token_sum_norm", global_tokens=3, global_responses=2, max_new_tokens=4)
+    seq = loss_weights(
+        mask, "seq_mean_token_mean", global_tokens=3, global_responses=2, max_new_tokens=4
+    )
+    drg = loss_weights(
+        mask, "seq_mean_token_sum_norm", global_tokens=3, global_responses=2, max_new_tokens=4
+    )
     torch.testing.assert_close(tok, torch.tensor([[1 / 3, 1 / 3, 0], [1 / 3, 0, 0]]))
     torch.testing.assert_close(seq, torch.tensor([[0.25, 0.25, 0], [0.5, 0, 0]]))
     torch.testing.assert_close(drg, torch.tensor([[0.125, 0.125, 0], [0.125, 0, 0]]))
@@ -84,7 +98,10 @@ def test_global_weights_split_over_ranks_sum_to_the_whole():
     values = torch.arange(12.0).view(4, 3)
     for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
         whole = (values * loss_weights(mask, agg, 7, 4, 3)).sum()
-        halves = sum((values[i] * loss_weights(mask[i], agg, 7, 4, 3)).sum() for i in (slice(0, 2), slice(2, 4)))
+        halves = sum(
+            (values[i] * loss_weights(mask[i], agg, 7, 4, 3)).sum()
+            for i in (slice(0, 2), slice(2, 4))
+        )
         torch.testing.assert_close(halves, whole)
 
 

@@ -5,10 +5,10 @@ Uses torch's in-process fake process group, so a world of 16 is checked without 
 
 import pytest
 import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-
 from conftest import compose_config
 from test_config import PRESETS
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
 from trainer.parallel import build_fsdp_meshes
 
 

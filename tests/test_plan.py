@@ -3,9 +3,9 @@
 import time
 
 import torch
+from conftest import compose_config, launch
 from transformers import AutoModelForCausalLM
 
-from conftest import compose_config, launch
 from launcher.plan import count_params, mesh_groups, plan
 from trainer.model import hf_config
 
@@ -15,7 +15,9 @@ def test_param_count_matches_the_transformers_model():
         cfg = compose_config(f"model={preset}", "model.init=random")
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config(cfg.model))
-        assert count_params(cfg.model.arch).total == sum(p.numel() for p in model.parameters()), preset
+        assert count_params(cfg.model.arch).total == sum(p.numel() for p in model.parameters()), (
+            preset
+        )
 
 
 def test_mesh_groups_are_contiguous_shards_and_strided_replicas():
@@ -40,7 +42,9 @@ def test_plan_numbers_for_qwen3_4b_r2s4():
 
 def test_cli_dry_run_is_fast_and_starts_nothing(tmp_path):
     start = time.perf_counter()
-    out = launch("parallel=hsdp_r2s4", "model=qwen3_4b", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}")
+    out = launch(
+        "parallel=hsdp_r2s4", "model=qwen3_4b", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"
+    )
     assert out.returncode == 0, out.stderr
     assert time.perf_counter() - start < 30
     assert "4.02B parameters" in out.stdout and "all-reduce grad shards" in out.stdout
@@ -48,6 +52,10 @@ def test_cli_dry_run_is_fast_and_starts_nothing(tmp_path):
 
 
 def test_plan_warns_when_a_shard_group_spans_nodes():
-    cfg = compose_config("parallel=hsdp_r2s8_2nodes", "parallel.dp_replicate_size=1",
-                         "parallel.dp_shard_size=16", "parallel.rdzv_endpoint=h:1")
+    cfg = compose_config(
+        "parallel=hsdp_r2s8_2nodes",
+        "parallel.dp_replicate_size=1",
+        "parallel.dp_shard_size=16",
+        "parallel.rdzv_endpoint=h:1",
+    )
     assert "spans nodes" in plan(cfg)

@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from conftest import compose_config
+
 from trainer import rewards
 from trainer.data import PromptSampler, load_prompts, synthetic_prompts
 from trainer.model import load_tokenizer
@@ -76,7 +76,10 @@ def test_synthetic_prompts_are_seeded():
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_gsm8k_style_local_file(tmp_path, suffix):
-    rows = [{"question": "What is 2+3?", "answer": "2+3=5\n#### 5"}, {"question": "And 1+1?", "answer": "#### 2"}]
+    rows = [
+        {"question": "What is 2+3?", "answer": "2+3=5\n#### 5"},
+        {"question": "And 1+1?", "answer": "#### 2"},
+    ]
     path = tmp_path / f"train{suffix}"
     if suffix == ".jsonl":
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -1,25 +1,45 @@
 """Every rule gives one line naming the key, the value and the fix, before any process starts."""
 
 import pytest
-
 from conftest import compose_config, launch
+
 from launcher.validate import ConfigError, validate
 
 CASES = [
     # (overrides, visible GPUs, words the message must contain)
     (["parallel.dp_replicate_size=0"], 0, ["parallel.dp_replicate_size=0", ">= 1"]),
-    (["parallel.dp_replicate_size=3"], 0, ["parallel.dp_replicate_size=3", "does not divide the 4", "1, 2, 4"]),
+    (
+        ["parallel.dp_replicate_size=3"],
+        0,
+        ["parallel.dp_replicate_size=3", "does not divide the 4", "1, 2, 4"],
+    ),
     (["parallel.cp_size=3"], 0, ["parallel.cp_size=3", "does not divide the world of 4"]),
-    (["parallel.cp_size=2", "parallel.dp_shard_size=1"], 0, ["parallel.cp_size=2", "not implemented"]),
-    (["parallel.dp_shard_size=4"], 0, ["2 x 4 = 8", "4 ranks will be started", "make the product 4"]),
+    (
+        ["parallel.cp_size=2", "parallel.dp_shard_size=1"],
+        0,
+        ["parallel.cp_size=2", "not implemented"],
+    ),
+    (
+        ["parallel.dp_shard_size=4"],
+        0,
+        ["2 x 4 = 8", "4 ranks will be started", "make the product 4"],
+    ),
     (["parallel=hsdp_r2s8_2nodes"], 0, ["parallel.nnodes=2", "parallel.rdzv_endpoint=HOST:PORT"]),
     (["device=cuda"], 2, ["parallel.nproc_per_node=4", "2 GPU(s) are visible"]),
     (["device=cuda"], 0, ["device=cuda", "no GPU is visible"]),
     (["device=tpu"], 0, ["device='tpu'", "auto, cuda, cpu"]),
-    (["model.init=pretrained", "model.path=/no/such/model"], 0, ["model.path='/no/such/model'", "does not exist"]),
+    (
+        ["model.init=pretrained", "model.path=/no/such/model"],
+        0,
+        ["model.path='/no/such/model'", "does not exist"],
+    ),
     (["model.init=pretrained"], 0, ["model.init=pretrained needs model.path"]),
     (["model.init=finetuned"], 0, ["model.init='finetuned'", "pretrained, random"]),
-    (["rl.prompts_per_step=6"], 0, ["rl.prompts_per_step=6", "4 data-parallel ranks", "multiple of 4"]),
+    (
+        ["rl.prompts_per_step=6"],
+        0,
+        ["rl.prompts_per_step=6", "4 data-parallel ranks", "multiple of 4"],
+    ),
     (["rl.samples_per_prompt=1"], 0, ["rl.samples_per_prompt=1", ">= 2"]),
     (["rl.clip_low=1.5"], 0, ["rl.clip_low=1.5", "(0, 1)"]),
     (["rl.clip_high=0"], 0, ["rl.clip_high=0", "> 0"]),
@@ -30,15 +50,25 @@ CASES = [
     (["rl.max_new_tokens=0"], 0, ["rl.max_new_tokens=0"]),
     (["trainer.max_steps=0"], 0, ["trainer.max_steps=0"]),
     (["optim.lr=-1"], 0, ["optim.lr=-1"]),
-    (["data=gsm8k", "data.path=/no/such/train.parquet"], 0, ["data.path='/no/such/train.parquet'", "does not exist"]),
-    (["+data.rewards.not_a_reward=1.0"], 0, ["data.rewards.not_a_reward", "digit_echo", "math_answer"]),
+    (
+        ["data=gsm8k", "data.path=/no/such/train.parquet"],
+        0,
+        ["data.path='/no/such/train.parquet'", "does not exist"],
+    ),
+    (
+        ["+data.rewards.not_a_reward=1.0"],
+        0,
+        ["data.rewards.not_a_reward", "digit_echo", "math_answer"],
+    ),
 ]
 
 
 @pytest.mark.parametrize("overrides,gpus,words", CASES, ids=[" ".join(c[0]) for c in CASES])
 def test_rule_message(overrides, gpus, words):
-    cfg = compose_config("device=cpu" if gpus == 0 and "device" not in " ".join(overrides) else "device=auto",
-                         *overrides)
+    cfg = compose_config(
+        "device=cpu" if gpus == 0 and "device" not in " ".join(overrides) else "device=auto",
+        *overrides,
+    )
     with pytest.raises(ConfigError) as err:
         validate(cfg, visible_gpus=gpus)
     message = str(err.value)
@@ -54,7 +84,12 @@ def test_defaults_are_valid():
 
 def test_cli_bad_divisibility_exits_2_with_one_line_and_starts_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    out = launch("parallel=hsdp_r2s2", "parallel.dp_replicate_size=3", "device=cpu", f"hydra.run.dir={run_dir}")
+    out = launch(
+        "parallel=hsdp_r2s2",
+        "parallel.dp_replicate_size=3",
+        "device=cpu",
+        f"hydra.run.dir={run_dir}",
+    )
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0, out.stderr
     assert "divide" in out.stderr and "parallel.dp_replicate_size=3" in out.stderr

@@ -80,9 +80,13 @@ class PromptSampler:
     ranks gets distinct prompts, and the union over ranks is the same whatever R and S are.
     """
 
-    def __init__(self, num_prompts: int, prompts_per_step: int, dp_rank: int, dp_size: int, seed: int):
+    def __init__(
+        self, num_prompts: int, prompts_per_step: int, dp_rank: int, dp_size: int, seed: int
+    ):
         if num_prompts < prompts_per_step:
-            raise ValueError(f"{num_prompts} prompts cannot fill one step of rl.prompts_per_step={prompts_per_step}")
+            raise ValueError(
+                f"{num_prompts} prompts cannot fill one step of rl.prompts_per_step={prompts_per_step}"
+            )
         self.num_prompts, self.prompts_per_step = num_prompts, prompts_per_step
         self.steps_per_epoch = num_prompts // prompts_per_step
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed

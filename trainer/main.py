@@ -98,7 +98,7 @@ def main(config_path: str) -> None:
         torch.use_deterministic_algorithms(True)
     device = init_distributed(cfg.device)
     ps = ParallelState.build(device, cfg.parallel.dp_replicate_size, cfg.parallel.cp_size)
-    print(ps.describe(), flush=True)
+    print(f"{ps.describe()}, pid {os.getpid()}", flush=True)
     model = build_model(cfg.model, ps.get_mesh("fsdp"), device, seed=cfg.trainer.seed)
     if cfg.trainer.smoke_test:
         loss = smoke_test(model, ps, model.config.vocab_size)

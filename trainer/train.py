@@ -209,62 +209,71 @@ class GRPOTrainer:
             out[rows] = sequence_logprobs(self.reference, batch, rows, self.rl.temperature)[0]
         return out
 
-    def global_counts(self, batch: Batch) -> tuple[float, float]:
-        t = torch.stack(
-            [
-                batch.mask_NT.sum().double(),
-                torch.tensor(float(batch.size), dtype=torch.float64, device=batch.mask_NT.device),
-            ]
-        )
-        dist.all_reduce(t, group=self.dp_group)
-        return t[0].item(), t[1].item()
-
     def update(self, batch: Batch, sums: DPSums) -> None:
-        rl, dp = self.rl, self.ps.dp_size
-        global_tokens, global_responses = self.global_counts(batch)
-        weights_NT = loss_weights(
-            batch.mask_NT, rl.loss_agg, global_tokens, global_responses, rl.max_new_tokens
-        )
+        """`rl.updates_per_step` optimizer steps on this rollout batch."""
+        weights_NT = self.loss_weights(batch)
         old_logp_NT = torch.zeros_like(batch.sampling_logp_NT)
-        chunks = self.micro_batches(batch.size)
-        grad_norms: list[float] = []
-        hybrid = self.ps.dp_replicate_size > 1
-        for u in range(rl.updates_per_step):
-            for k, rows in enumerate(chunks):
-                if hybrid:  # all-reduce across replicas once, after the last micro-batch
-                    self.model.set_requires_all_reduce(k == len(chunks) - 1)
-                logp, entropy = sequence_logprobs(self.model, batch, rows, rl.temperature)
-                if u == 0:
-                    old_logp_NT[rows] = logp.detach()
-                token_loss, stats = grpo_token_loss(
-                    logp,
-                    old_logp_NT[rows],
-                    batch.advantages_N[rows],
-                    rl.clip_low,
-                    rl.clip_high,
-                    ref_logp=None if batch.ref_logp_NT is None else batch.ref_logp_NT[rows],
-                    kl_coef=rl.kl_coef,
-                    kl_estimator=rl.kl_estimator,
-                    entropy=entropy if rl.entropy_coef > 0 else entropy.detach(),
-                    entropy_coef=rl.entropy_coef,
-                )
-                loss = (token_loss * weights_NT[rows]).sum()
-                # FSDP averages gradients over the dp ranks; the weights already divide by
-                # global counts, so scale back up to get the gradient of the global loss.
-                (loss * dp).backward()
-                mask = batch.mask_NT[rows]
-                sums.add("loss", loss)
-                for name, per_token in stats.items():
-                    sums.add(f"{name}_sum", (per_token * mask).sum())
-                    if u == 0:
-                        sums.add(f"first_{name}_sum", (per_token * mask).sum())
-                if u == 0:
-                    diff = (logp.detach() - batch.sampling_logp_NT[rows]).abs()
-                    sums.add("logprob_diff_sum", (diff * mask).sum())
+        grad_norms = []
+        for u in range(self.rl.updates_per_step):
+            self.backward(batch, weights_NT, old_logp_NT, first=u == 0, sums=sums)
             grad_norms.append(self.optimizer_step())
         # The norm is global (the same on every rank), so max over ranks is that value.
         sums.max("train/grad_norm", sum(grad_norms) / len(grad_norms))
         sums.max("train/skipped_updates", float(sum(not math.isfinite(g) for g in grad_norms)))
+
+    def loss_weights(self, batch: Batch) -> torch.Tensor:
+        """Per-token weights from the counts of the whole batch over all dp ranks."""
+        t = torch.tensor(
+            [batch.mask_NT.sum().item(), batch.size], dtype=torch.float64, device=self.ps.device
+        )
+        dist.all_reduce(t, group=self.dp_group)
+        global_tokens, global_responses = t.tolist()
+        return loss_weights(
+            batch.mask_NT, self.rl.loss_agg, global_tokens, global_responses, self.rl.max_new_tokens
+        )
+
+    def backward(
+        self,
+        batch: Batch,
+        weights_NT: torch.Tensor,
+        old_logp_NT: torch.Tensor,
+        first: bool,
+        sums: DPSums,
+    ) -> None:
+        """Accumulate the gradient of the global loss over this rank's micro-batches.
+
+        On the first update the current log-probs are the old ones (same weights that
+        sampled): they are stored into `old_logp_NT`, and the ratio is exactly 1.
+        """
+        rl = self.rl
+        chunks = self.micro_batches(batch.size)
+        for k, rows in enumerate(chunks):
+            if (
+                self.ps.dp_replicate_size > 1
+            ):  # all-reduce across replicas once, after the last micro-batch
+                self.model.set_requires_all_reduce(k == len(chunks) - 1)
+            logp, entropy = sequence_logprobs(self.model, batch, rows, rl.temperature)
+            if first:
+                old_logp_NT[rows] = logp.detach()
+            token_loss, stats = grpo_token_loss(
+                logp, old_logp_NT[rows], batch.advantages_N[rows], rl.clip_low, rl.clip_high,
+                ref_logp=None if batch.ref_logp_NT is None else batch.ref_logp_NT[rows],
+                kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
+                entropy=entropy if rl.entropy_coef > 0 else entropy.detach(), entropy_coef=rl.entropy_coef,
+            )  # fmt: skip
+            loss = (token_loss * weights_NT[rows]).sum()
+            # FSDP averages gradients over the dp ranks; the weights already divide by global
+            # counts, so scaling by dp makes the result the gradient of the global loss.
+            (loss * self.ps.dp_size).backward()
+            mask = batch.mask_NT[rows]
+            sums.add("loss", loss)
+            for name, per_token in stats.items():
+                sums.add(f"{name}_sum", (per_token * mask).sum())
+                if first:
+                    sums.add(f"first_{name}_sum", (per_token * mask).sum())
+            if first:
+                diff = (logp.detach() - batch.sampling_logp_NT[rows]).abs()
+                sums.add("logprob_diff_sum", (diff * mask).sum())
 
     def optimizer_step(self) -> float:
         """Clip on the global norm of the sharded gradients and step; skip a non-finite update."""
@@ -292,6 +301,7 @@ class GRPOTrainer:
             "train/loss": r["loss"] / updates,
             "train/pg_loss": r["pg_loss_sum"] / (tokens * updates),
             "train/kl": r.get("kl_sum", 0.0) / (tokens * updates),
+            "train/first_kl": r.get("first_kl_sum", 0.0) / tokens,
             "train/ppo_kl": r["ppo_kl_sum"] / (tokens * updates),
             "train/clipfrac": r["clipfrac_sum"] / (tokens * updates),
             "train/first_ppo_kl": r["first_ppo_kl_sum"] / tokens,

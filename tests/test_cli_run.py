@@ -1,0 +1,147 @@
+"""The CLI as a user types it: real torchrun workers on CPU, their logs, metrics and failures."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import REPO, env, launch
+
+METRIC_KEYS = {
+    "step",
+    "rollout/reward_mean",
+    "rollout/reward_std",
+    "rollout/response_len_mean",
+    "rollout/truncated_frac",
+    "train/loss",
+    "train/pg_loss",
+    "train/kl",
+    "train/ppo_kl",
+    "train/clipfrac",
+    "train/entropy",
+    "train/grad_norm",
+    "train/lr",
+    "train/rollout_logprob_diff",
+    "time/rollout_s",
+    "time/train_s",
+    "time/step_s",
+}
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_smoke_run_logs_every_rank_mesh_coordinates(tmp_path):
+    run_dir = tmp_path / "run"
+    out = launch(
+        "parallel=hsdp_r2s2", "device=cpu", "trainer.smoke_test=true", f"hydra.run.dir={run_dir}"
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "fsdp[dp_replicate=0/2, dp_shard=0/2]" in out.stdout  # rank 0 on the console
+    assert "rank 3/4" not in out.stdout  # other ranks only in their logs
+    for rank in range(4):
+        log = (run_dir / "logs" / f"rank_{rank}.log").read_text()
+        assert f"fsdp[dp_replicate={rank // 2}/2, dp_shard={rank % 2}/2]" in log
+        assert "sharded forward/backward ok" in log
+    assert "dp_replicate_size: 2" in (run_dir / "config.yaml").read_text()
+
+
+def test_quickstart_learns_and_keeps_on_policy_invariants(tmp_path):
+    """The README's main job (fewer steps): 4 ranks r2s2, tiny Qwen3, synthetic task, W&B offline.
+
+    Margin: a random init emits digits with probability ~10/259 per token, so the first steps
+    score ~0.02; learning to emit only digits is worth 0.5 on its own. The last five steps
+    must beat the first five by 0.25, half of that, which a run that does not learn cannot.
+    """
+    run_dir = tmp_path / "run"
+    out = launch("trainer.max_steps=40", f"hydra.run.dir={run_dir}", timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "step 40/40" in out.stdout
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    assert METRIC_KEYS <= set(rows[0])
+    for r in rows:  # one update per step: the first (only) update is exactly on-policy
+        assert r["train/ppo_kl"] == 0.0 and r["train/clipfrac"] == 0.0, r["step"]
+        assert r["train/rollout_logprob_diff"] < 1e-3
+    first = sum(r["rollout/reward_mean"] for r in rows[:5]) / 5
+    last = sum(r["rollout/reward_mean"] for r in rows[-5:]) / 5
+    assert last - first > 0.25, (first, last)
+    assert list((run_dir / "wandb").glob("offline-run-*")), "no offline W&B run"
+    assert {p.name for p in (run_dir / "logs").iterdir()} >= {f"rank_{i}.log" for i in range(4)}
+
+
+def test_kl_and_multiple_updates(tmp_path):
+    run_dir = tmp_path / "run"
+    out = launch(
+        "parallel=hsdp_r1s2",
+        "device=cpu",
+        "trainer.max_steps=2",
+        "rl.kl_coef=0.1",
+        "rl.updates_per_step=2",
+        "rl.prompts_per_step=4",
+        "logger=none",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert rows[0]["train/first_kl"] == 0.0  # policy == reference before the first update
+    for r in rows:
+        assert r["train/first_ppo_kl"] == 0.0 and r["train/first_clipfrac"] == 0.0
+    assert rows[0]["train/ppo_kl"] != 0.0  # the second update is off-policy, and it shows
+    assert rows[1]["train/kl"] > 0.0
+
+
+def test_killed_worker_stops_the_run_naming_the_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "launch.py"),
+            "device=cpu",
+            "trainer.max_steps=100000",
+            "logger=none",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        log = run_dir / "logs" / "rank_2.log"
+        deadline = time.time() + 240
+        while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
+            time.sleep(0.5)
+        pid = int(re.search(r"pid (\d+)", log.read_text())[1])
+        os.kill(pid, signal.SIGKILL)
+        killed = time.time()
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert time.time() - killed < 30
+    assert "rank 2 failed (killed by signal 9)" in stderr, stderr[-3000:]
+    assert "rank_2.log" in stderr
+
+
+def test_unknown_reward_and_missing_data_are_rejected_before_start(tmp_path):
+    run_dir = tmp_path / "run"
+    out = launch("device=cpu", "+data.rewards.no_such_reward=1.0", f"hydra.run.dir={run_dir}")
+    assert out.returncode == 2 and not run_dir.exists()
+    assert out.stderr.strip() == (
+        "error: data.rewards.no_such_reward: unknown reward 'no_such_reward'; "
+        "registered rewards are digit_echo, format, math_answer"
+    )
+    out = launch(
+        "device=cpu",
+        "data=gsm8k",
+        f"data.path={tmp_path / 'missing.jsonl'}",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert out.returncode == 2 and not run_dir.exists()
+    assert "data.path=" in out.stderr and "does not exist" in out.stderr

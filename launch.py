@@ -5,9 +5,12 @@ python launch.py parallel=hsdp_r2s4 model=qwen3_4b dry_run=true   # the plan, no
 python launch.py --help                               # config groups and their presets
 """
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
+from launcher import sweep
 from launcher.main import run
 from launcher.schema import register
 
@@ -21,3 +24,4 @@ def main(cfg: DictConfig) -> int:
 
 if __name__ == "__main__":
     main()
+    sys.exit(sweep.finish())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -9,6 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from launcher import sweep
 from launcher.plan import plan
 from launcher.schema import Config
 from launcher.torchrun import start_workers
@@ -45,31 +48,57 @@ def remove_if_empty(run_dir: Path) -> None:
         run_dir.rmdir()
 
 
+def slurm_rendezvous(cfg: Config) -> None:
+    """Inside a Slurm job of several nodes, rendezvous at its first node unless told otherwise."""
+    nodelist = os.environ.get("SLURM_JOB_NODELIST")
+    if cfg.parallel.nnodes == 1 or cfg.parallel.rdzv_endpoint or not nodelist:
+        return
+    hosts = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True
+    ).stdout.split()
+    if hosts:
+        cfg.parallel.rdzv_endpoint = f"{hosts[0]}:29500"
+        cfg.parallel.rdzv_id = os.environ.get("SLURM_JOB_ID", cfg.parallel.rdzv_id)
+
+
 def prepare(cfg: DictConfig) -> tuple[Config, int]:
     typed = to_typed(cfg)
+    slurm_rendezvous(typed)
     gpus = visible_gpus(typed.device)
     # A plan made where no GPU is visible (a laptop, a login node) skips the GPU-count check.
     validate(typed, gpus, check_gpu_count=not (typed.dry_run and gpus == 0))
     return typed, gpus
 
 
-def run(cfg: DictConfig) -> None:
-    """Hydra's task function. Exits 2 on a config error, else with the workers' exit code."""
+def run(cfg: DictConfig) -> int:
+    """Hydra's task function.
+
+    A single run exits 2 on a config error, else with the workers' exit code. A job of a
+    multirun returns its code instead, so the sweep goes on; `launcher.sweep.finish` reports.
+    """
+    multirun = sweep.is_multirun()
+    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     try:
         typed, gpus = prepare(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
-        sys.exit(2)
+        if not multirun:
+            remove_if_empty(run_dir)
+            sys.exit(2)
+        sweep.write_status(run_dir, sweep.job_name(), 2, str(e))
+        return 2
     if typed.dry_run:
         print(plan(typed))
-        remove_if_empty(Path(HydraConfig.get().runtime.output_dir))
-        return
-    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+        remove_if_empty(run_dir)
+        return 0
+    if multirun:
+        sweep.name_job(typed)
     typed.run_dir = str(run_dir)
     typed.device = resolve_device(typed.device, gpus)
     config_path = write_config(typed, run_dir)
-    code = start_workers(typed, config_path, run_dir)
-    if code != 0:
+    code, failure = start_workers(typed, config_path, run_dir)
+    sweep.write_status(run_dir, typed.logger.name, code, failure)
+    if code != 0 and not multirun:
         sys.exit(code)
-    print(f"run finished: {run_dir}")
+    print(f"{'job' if multirun else 'run'} {'finished' if code == 0 else 'failed'}: {run_dir}")
+    return code

@@ -183,6 +183,8 @@ class TrainerConfig:
     seed: int = 0
     # Use deterministic algorithms (bit-for-bit reproducible runs; slower on GPU).
     deterministic: bool = False
+    # Peak TFLOP/s per GPU for perf/mfu; 0: the dense bf16 datasheet value of known GPUs.
+    peak_tflops: float = 0.0
     # End each worker after one forward/backward check of the sharded model (no GRPO).
     smoke_test: bool = False
 

@@ -17,6 +17,7 @@ from launcher.schema import Config
 
 FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 TAIL_LINES = 20
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| (.*)$")
 
 
 def torchrun_command(cfg: Config, config_path: Path) -> list[str]:
@@ -64,8 +65,48 @@ def describe_failure(output: str, run_dir: Path, code: int) -> str:
     return f"error: rank {rank} failed ({cause}); last lines of {log}:\n{tail}"
 
 
-def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> int:
-    """Run torchrun to completion; return 0, or non-zero after naming the failed rank."""
+class ConsoleStream:
+    """Echo the workers' output. On a terminal, rank 0's step lines drive a progress bar
+    (step, reward, step time, ETA) instead of scrolling; everything else prints above it."""
+
+    def __init__(self) -> None:
+        self.progress = None
+        if sys.stdout.isatty():
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
+
+            self.progress = Progress(
+                TextColumn("step"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+            )
+            self.task = self.progress.add_task("", total=None)
+            self.progress.start()
+
+    def write(self, line: str) -> None:
+        match = STEP_LINE.match(line) if self.progress else None
+        if match:
+            step, total, rest = int(match[1]), int(match[2]), match[3]
+            self.progress.update(self.task, completed=step, total=total, description=rest)
+        elif self.progress:
+            self.progress.console.print(line.rstrip("\n"), markup=False, highlight=False)
+        else:
+            sys.stdout.write(line)
+
+    def close(self) -> None:
+        if self.progress:
+            self.progress.stop()
+
+
+def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, str | None]:
+    """Run torchrun to completion: (0, None), or its exit code and the failure, also printed."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         torchrun_command(cfg, config_path),
@@ -75,13 +116,19 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> int:
         text=True,
         bufsize=1,
     )
-    kept: list[str] = []
-    with open(run_dir / "logs" / "launcher.log", "w") as log:
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            log.write(line)
-            kept.append(line)
+    kept: list[str] = []  # the failure summary is at the end
+    console = ConsoleStream()
+    try:
+        with open(run_dir / "logs" / "launcher.log", "w") as log:
+            for line in proc.stdout:
+                console.write(line)
+                log.write(line)
+                kept.append(line)
+    finally:
+        console.close()
     code = proc.wait()
-    if code != 0:
-        print(describe_failure("".join(kept[-400:]), run_dir, code), file=sys.stderr)
-    return code
+    if code == 0:
+        return 0, None
+    failure = describe_failure("".join(kept[-400:]), run_dir, code)
+    print(failure, file=sys.stderr)
+    return code, failure.splitlines()[0].removeprefix("error: ")

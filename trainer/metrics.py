@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -61,30 +61,44 @@ class MetricsLogger:
             self.wandb = self._init_wandb()
 
     def _init_wandb(self):
-        lg = self.cfg.logger
+        """Start the W&B run; if `online` fails (no network, no key), fall back to offline."""
+        os.environ.setdefault("WANDB_SILENT", "true")
         try:
-            import wandb
-
-            run = wandb.init(
-                project=lg.project,
-                entity=lg.entity,
-                group=lg.group,
-                name=lg.name,
-                tags=list(lg.tags),
-                config=dataclasses.asdict(self.cfg),
-                dir=self.cfg.run_dir,
-                mode=lg.mode,
-                settings=wandb.Settings(console="off", quiet=True),
-            )
-            run.define_metric("step")
-            run.define_metric("*", step_metric="step")
-            return run
+            return self._start_wandb(self.cfg.logger.mode)
         except Exception as e:  # the dashboard is optional; training is not
-            warnings.warn(
-                f"W&B could not start ({type(e).__name__}: {e}); logging to metrics.jsonl only",
-                stacklevel=1,
+            if self.cfg.logger.mode == "online":
+                print(
+                    f"warning: W&B online failed ({type(e).__name__}: {e}); logging offline",
+                    file=sys.stderr,
+                )
+                try:
+                    return self._start_wandb("offline")
+                except Exception as e2:
+                    e = e2
+            print(
+                f"warning: W&B could not start ({type(e).__name__}: {e}); metrics.jsonl only",
+                file=sys.stderr,
             )
             return None
+
+    def _start_wandb(self, mode: str):
+        import wandb
+
+        lg = self.cfg.logger
+        run = wandb.init(
+            project=lg.project, entity=lg.entity, group=lg.group, name=lg.name, tags=list(lg.tags),
+            config=dataclasses.asdict(self.cfg), dir=self.cfg.run_dir, mode=mode,
+            settings=wandb.Settings(console="off", init_timeout=60),
+        )  # fmt: skip
+        run.define_metric("step")
+        run.define_metric("*", step_metric="step")
+        where = (
+            f"offline, `wandb sync {run.dir.removesuffix('/files')}` uploads it"
+            if mode == "offline"
+            else run.url
+        )
+        print(f"W&B run {lg.name or run.id} (group {lg.group or '-'}): {where}", flush=True)
+        return run
 
     def log(self, metrics: dict[str, float]) -> None:
         if not self.is_main:
@@ -95,7 +109,10 @@ class MetricsLogger:
             try:
                 self.wandb.log(metrics)
             except Exception as e:
-                warnings.warn(f"W&B log failed ({e}); continuing with metrics.jsonl", stacklevel=1)
+                print(
+                    f"warning: W&B log failed ({e}); continuing with metrics.jsonl only",
+                    file=sys.stderr,
+                )
                 self.wandb = None
         self._print(metrics)
 

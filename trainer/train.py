@@ -24,6 +24,7 @@ from trainer.grpo import group_advantages, grpo_token_loss, loss_weights, token_
 from trainer.metrics import DPSums, MetricsLogger
 from trainer.model import build_model, compute_dtype, load_tokenizer
 from trainer.parallel import ParallelState
+from trainer.perf import peak_flops, peak_memory_gb, perf_metrics
 from trainer.rewards import score
 from trainer.rollout import HFRolloutEngine, Rollout, SamplingParams
 
@@ -141,6 +142,7 @@ class GRPOTrainer:
         )
         self.metrics = MetricsLogger(cfg, is_main=ps.rank == 0)
         self.dp_group = ps.get_mesh("dp").get_group()
+        self.peak_flops = peak_flops(device, cfg.trainer.peak_tflops)
 
     def sync(self) -> None:
         if self.ps.device.type == "cuda":
@@ -163,6 +165,7 @@ class GRPOTrainer:
             self.engine.load_weights(self.model)
             self.sync()
             t4 = time.perf_counter()
+            sums.max("perf/peak_mem_gb", peak_memory_gb(self.ps.device))
             for name, seconds in (
                 ("rollout", t1 - t0),
                 ("ref", t2 - t1),
@@ -196,6 +199,8 @@ class GRPOTrainer:
         sums.add("reward_sq_sum", batch.rewards_N.square().sum())
         sums.add("response_len_sum", batch.response_len_N.sum())
         sums.add("truncated_sum", batch.truncated_N.sum())
+        sums.add("prompt_tokens", sum(len(p) for p in rollout.prompt_ids))
+        sums.add("sum_sq_len", batch.attention_mask_NL.sum(-1).double().square().sum())
         return batch
 
     def micro_batches(self, n: int) -> list[slice]:
@@ -313,4 +318,5 @@ class GRPOTrainer:
             "train/rollout_logprob_diff": r["logprob_diff_sum"] / tokens,
         }
         out.update({k: v for k, v in r.items() if k.startswith("time/")})
+        out.update(perf_metrics(r, self.model.config, self.ps.world_size, updates, self.peak_flops))
         return out

@@ -1,0 +1,70 @@
+"""Throughput, MFU and memory, per step.
+
+Training FLOPs (forward + backward) for a sequence of S tokens through a decoder with L
+layers, Hq query heads of width d, and N_matmul = L * (parameters per layer) + V * H (the
+lm_head product; the embedding lookup costs nothing):
+
+    flops = 6 * N_matmul * S + 6 * L * Hq * d * S^2
+
+the second term being causal attention (QK^T and AV, 2 S^2 d each per head forward, halved
+for the causal mask, times 3 for forward + backward). MFU = flops over all updates / (train
+seconds * ranks * peak), with the peak from `trainer.peak_tflops`, or the dense bf16 datasheet
+value for GPUs it knows; on CPUs and unknown GPUs MFU is not logged.
+"""
+
+from __future__ import annotations
+
+import resource
+
+import torch
+
+DATASHEET_BF16_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0, "L40S": 362.0}
+
+
+def matmul_params(config) -> int:
+    h, hd = config.hidden_size, config.head_dim
+    attn = h * config.num_attention_heads * hd * 2 + h * config.num_key_value_heads * hd * 2
+    mlp = 3 * h * config.intermediate_size
+    return config.num_hidden_layers * (attn + mlp) + config.vocab_size * h
+
+
+def train_flops(config, tokens: float, sum_sq_len: float) -> float:
+    """Forward + backward FLOPs for `tokens` tokens in sequences whose squared lengths sum to sum_sq_len."""
+    attn = 6 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * sum_sq_len
+    return 6 * matmul_params(config) * tokens + attn
+
+
+def peak_flops(device: torch.device, peak_tflops: float) -> float | None:
+    if peak_tflops > 0:
+        return peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v * 1e12 for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated GPU memory since the last call, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) / 1e9
+        torch.cuda.reset_peak_memory_stats(device)
+        return peak
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+def perf_metrics(
+    r: dict[str, float], config, world: int, updates: int, peak: float | None
+) -> dict[str, float]:
+    """From dp-reduced sums and max-over-ranks times (see GRPOTrainer.summarize)."""
+    tokens = r["prompt_tokens"] + r["response_len_sum"]
+    out = {
+        "perf/tokens_per_s": tokens / r["time/step_s"],
+        "perf/tokens_per_s_per_gpu": tokens / r["time/step_s"] / world,
+        "perf/rollout_tokens_per_s": r["response_len_sum"] / r["time/rollout_s"],
+        "perf/train_tokens_per_s": tokens * updates / r["time/train_s"],
+        "perf/peak_mem_gb": r["perf/peak_mem_gb"],
+    }
+    if peak is not None:
+        flops = updates * train_flops(config, tokens, r["sum_sq_len"])
+        out["perf/mfu"] = flops / (r["time/train_s"] * world * peak)
+    return out

@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from launcher import sweep
+from launcher import resume, sweep
 from launcher.plan import plan
 from launcher.schema import Config
 from launcher.torchrun import start_workers
@@ -77,23 +77,31 @@ def run(cfg: DictConfig) -> int:
     multirun returns its code instead, so the sweep goes on; `launcher.sweep.finish` reports.
     """
     multirun = sweep.is_multirun()
-    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    hydra_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     try:
         typed, gpus = prepare(cfg)
+        run_dir, checkpoint, warnings = (hydra_dir, None, []) if typed.dry_run else resume.resolve(typed, hydra_dir)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         if not multirun:
-            remove_if_empty(run_dir)
+            remove_if_empty(hydra_dir)
             sys.exit(2)
-        sweep.write_status(run_dir, sweep.job_name(), 2, str(e))
+        sweep.write_status(hydra_dir, sweep.job_name(), 2, str(e))
         return 2
     if typed.dry_run:
         print(plan(typed))
-        remove_if_empty(run_dir)
+        remove_if_empty(hydra_dir)
         return 0
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if run_dir != hydra_dir:
+        remove_if_empty(hydra_dir)
+    if checkpoint is not None:
+        print(f"resuming {run_dir} from {checkpoint.name}")
     if multirun:
         sweep.name_job(typed)
     typed.run_dir = str(run_dir)
+    typed.trainer.resume = str(checkpoint) if checkpoint else "none"
     typed.device = resolve_device(typed.device, gpus)
     config_path = write_config(typed, run_dir)
     code, failure = start_workers(typed, config_path, run_dir)

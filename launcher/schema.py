@@ -183,6 +183,17 @@ class TrainerConfig:
     seed: int = 0
     # Use deterministic algorithms (bit-for-bit reproducible runs; slower on GPU).
     deterministic: bool = False
+    # Checkpoint every N steps (0: only at the end); a checkpoint is always written at the end.
+    save_every: int = 0
+    # Checkpoints kept in the run directory (0 keeps all).
+    keep_last: int = 2
+    # `none` (start fresh) | `auto` (latest good checkpoint of this run, or of the newest earlier
+    # run of the same job) | a checkpoint folder or run directory.
+    resume: str = "none"
+    # Write the final weights in Hugging Face format (safetensors, config, tokenizer) to RUN_DIR/hf.
+    export_hf: bool = True
+    # Stop after this many updates in a row with a non-finite loss or gradient norm (each is skipped).
+    max_bad_updates: int = 3
     # Peak TFLOP/s per GPU for perf/mfu; 0: the dense bf16 datasheet value of known GPUs.
     peak_tflops: float = 0.0
     # End each worker after one forward/backward check of the sharded model (no GRPO).

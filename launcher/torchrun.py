@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -105,29 +106,61 @@ class ConsoleStream:
             self.progress.stop()
 
 
+def stop_file(run_dir: Path) -> Path:
+    """Its existence asks the workers to checkpoint and stop at the next step boundary."""
+    return run_dir / "STOP"
+
+
+class GracefulStop:
+    """SIGINT / SIGTERM to the launcher: the first asks for a checkpoint and a clean stop, a
+    second stops the workers now. torchrun runs in its own session, so a Ctrl-C in the
+    terminal reaches only this process and not the workers mid-step."""
+
+    def __init__(self, proc: subprocess.Popen, run_dir: Path):
+        self.proc, self.path = proc, stop_file(run_dir)
+        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum: int, frame) -> None:
+        if self.path.exists():
+            print("\nsecond signal: stopping the workers now", file=sys.stderr, flush=True)
+            self.proc.send_signal(signal.SIGTERM)
+            return
+        self.path.touch()
+        print(f"\n{signal.Signals(signum).name}: checkpointing at the end of this step, then stopping "
+              "(signal again to stop now)", file=sys.stderr, flush=True)  # fmt: skip
+
+    def restore(self) -> bool:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        requested = self.path.exists()
+        self.path.unlink(missing_ok=True)
+        return requested
+
+
 def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, str | None]:
     """Run torchrun to completion: (0, None), or its exit code and the failure, also printed."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    stop_file(run_dir).unlink(missing_ok=True)
     proc = subprocess.Popen(
-        torchrun_command(cfg, config_path),
-        env=worker_env(cfg),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-    )
+        torchrun_command(cfg, config_path), env=worker_env(cfg), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+    )  # fmt: skip
+    stop = GracefulStop(proc, run_dir)
     kept: list[str] = []  # the failure summary is at the end
     console = ConsoleStream()
     try:
-        with open(run_dir / "logs" / "launcher.log", "w") as log:
+        with open(run_dir / "logs" / "launcher.log", "a") as log:
             for line in proc.stdout:
                 console.write(line)
                 log.write(line)
                 kept.append(line)
     finally:
         console.close()
-    code = proc.wait()
+        code = proc.wait()
+        stopped = stop.restore()
     if code == 0:
+        if stopped:
+            print(f"stopped at a checkpoint; continue with trainer.resume=auto hydra.run.dir={run_dir}")
         return 0, None
     failure = describe_failure("".join(kept[-400:]), run_dir, code)
     print(failure, file=sys.stderr)

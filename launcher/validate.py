@@ -238,6 +238,9 @@ def validate_rl(cfg: Config) -> None:
     at_least("optim.warmup_steps", o.warmup_steps, 0)
     check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     at_least("trainer.max_steps", t.max_steps, 1)
+    at_least("trainer.save_every", t.save_every, 0)
+    at_least("trainer.keep_last", t.keep_last, 0)
+    at_least("trainer.max_bad_updates", t.max_bad_updates, 1)
 
 
 def validate(cfg: Config, visible_gpus: int, check_gpu_count: bool = True) -> None:

@@ -57,6 +57,7 @@ class MetricsLogger:
         self.path = Path(cfg.run_dir) / "metrics.jsonl"
         self.wandb = None
         self.start = time.perf_counter()
+        self.first_step: int | None = None
         if is_main and cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled":
             self.wandb = self._init_wandb()
 
@@ -100,6 +101,12 @@ class MetricsLogger:
         print(f"W&B run {lg.name or run.id} (group {lg.group or '-'}): {where}", flush=True)
         return run
 
+    def truncate(self, step: int) -> None:
+        """On resume: drop rows past the checkpoint's step, so the file reads as one run."""
+        if self.is_main and self.path.exists():
+            rows = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            self.path.write_text("".join(row + "\n" for row in rows))
+
     def log(self, metrics: dict[str, float]) -> None:
         if not self.is_main:
             return
@@ -118,8 +125,10 @@ class MetricsLogger:
 
     def _print(self, m: dict[str, float]) -> None:
         step, total = int(m["step"]), self.cfg.trainer.max_steps
+        if self.first_step is None:  # a resumed run starts past step 1
+            self.first_step = step
         elapsed = time.perf_counter() - self.start
-        eta = elapsed / step * (total - step)
+        eta = elapsed / (step - self.first_step + 1) * (total - step)
         print(
             f"step {step}/{total} | reward {m['rollout/reward_mean']:.3f} | len {m['rollout/response_len_mean']:.1f}"
             f" | loss {m['train/loss']:+.4f} | kl {m['train/kl']:.4f} | grad {m['train/grad_norm']:.3f}"

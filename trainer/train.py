@@ -11,14 +11,17 @@ extra forward pass is spent on them).
 from __future__ import annotations
 
 import math
+import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from launcher.schema import Config, OptimConfig
+from trainer import checkpoint
 from trainer.data import PromptSampler, load_prompts
 from trainer.grpo import group_advantages, grpo_token_loss, loss_weights, token_logprobs
 from trainer.metrics import DPSums, MetricsLogger
@@ -143,39 +146,79 @@ class GRPOTrainer:
         self.metrics = MetricsLogger(cfg, is_main=ps.rank == 0)
         self.dp_group = ps.get_mesh("dp").get_group()
         self.peak_flops = peak_flops(device, cfg.trainer.peak_tflops)
+        self.bad_updates = 0
+        self.sigterm = False
+        signal.signal(signal.SIGTERM, self.on_sigterm)
+
+    def on_sigterm(self, signum, frame) -> None:
+        self.sigterm = True  # checkpoint and stop at the end of this step
 
     def sync(self) -> None:
         if self.ps.device.type == "cuda":
             torch.cuda.synchronize()
 
     def train(self) -> None:
-        for step in range(1, self.cfg.trainer.max_steps + 1):
-            sums = DPSums(self.ps.device)
-            t0 = time.perf_counter()
-            batch = self.rollout(step, sums)
-            self.sync()
-            t1 = time.perf_counter()
-            if self.reference is not None:
-                batch.ref_logp_NT = self.reference_logprobs(batch)
-            self.sync()
-            t2 = time.perf_counter()
-            self.update(batch, sums)
-            self.sync()
-            t3 = time.perf_counter()
-            self.engine.load_weights(self.model)
-            self.sync()
-            t4 = time.perf_counter()
-            sums.max("perf/peak_mem_gb", peak_memory_gb(self.ps.device))
-            for name, seconds in (
-                ("rollout", t1 - t0),
-                ("ref", t2 - t1),
-                ("train", t3 - t2),
-                ("sync", t4 - t3),
-                ("step", t4 - t0),
-            ):
-                sums.max(f"time/{name}_s", seconds)
-            self.metrics.log(self.summarize(step, sums.reduce(self.dp_group)))
+        t = self.cfg.trainer
+        for step in range(self.resume() + 1, t.max_steps + 1):
+            self.metrics.log(self.step(step))
+            stop = self.stop_requested()
+            if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):
+                path = checkpoint.save(self.model, self.optimizer, self.scheduler, step, self.cfg.run_dir,
+                                       self.layout(), t.keep_last)
+                print(f"checkpoint: {path}", flush=True) if self.ps.rank == 0 else None
+            if stop:
+                print(f"stopped by request after step {step}", flush=True)
+                break
+        else:
+            if t.export_hf:
+                out = checkpoint.export_hf(self.model, self.tokenizer, Path(self.cfg.run_dir) / "hf")
+                print(f"exported Hugging Face weights: {out}", flush=True) if self.ps.rank == 0 else None
         self.metrics.close()
+
+    def step(self, step: int) -> dict[str, float]:
+        """One GRPO step; returns its metrics, reduced over the dp ranks."""
+        sums = DPSums(self.ps.device)
+        t0 = time.perf_counter()
+        batch = self.rollout(step, sums)
+        self.sync()
+        t1 = time.perf_counter()
+        if self.reference is not None:
+            batch.ref_logp_NT = self.reference_logprobs(batch)
+        self.sync()
+        t2 = time.perf_counter()
+        self.update(batch, sums)
+        self.sync()
+        t3 = time.perf_counter()
+        self.engine.load_weights(self.model)
+        self.sync()
+        t4 = time.perf_counter()
+        sums.max("perf/peak_mem_gb", peak_memory_gb(self.ps.device))
+        times = {"rollout": t1 - t0, "ref": t2 - t1, "train": t3 - t2, "sync": t4 - t3, "step": t4 - t0}
+        for name, seconds in times.items():
+            sums.max(f"time/{name}_s", seconds)
+        return self.summarize(step, sums.reduce(self.dp_group))
+
+    def resume(self) -> int:
+        """Load `trainer.resume` (resolved to a checkpoint folder by the launcher); the step it ends."""
+        if self.cfg.trainer.resume == "none":
+            return 0
+        step = checkpoint.load(self.model, self.optimizer, self.scheduler, self.cfg.trainer.resume)
+        self.engine.load_weights(self.model)
+        self.metrics.truncate(step)
+        if self.ps.rank == 0:
+            print(f"resumed from {self.cfg.trainer.resume} at step {step}", flush=True)
+        return step
+
+    def stop_requested(self) -> bool:
+        """A stop asked of the launcher (its STOP file) or of any worker (SIGTERM), agreed by all ranks."""
+        asked = self.sigterm or (self.ps.rank == 0 and (Path(self.cfg.run_dir) / "STOP").exists())
+        flag = torch.tensor([float(asked)], device=self.ps.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def layout(self) -> dict[str, int]:
+        return {"world_size": self.ps.world_size, "dp_replicate_size": self.ps.dp_replicate_size,
+                "dp_shard_size": self.ps.dp_shard_size}  # fmt: skip
 
     def rollout(self, step: int, sums: DPSums) -> Batch:
         g = self.rl.samples_per_prompt
@@ -288,6 +331,15 @@ class GRPOTrainer:
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         if torch.isfinite(grad_norm):  # every rank sees the same norm, so all choose alike
             self.optimizer.step()
+            self.bad_updates = 0
+        else:
+            self.bad_updates += 1
+            if self.bad_updates >= self.cfg.trainer.max_bad_updates:
+                raise FloatingPointError(
+                    f"{self.bad_updates} updates in a row had a non-finite loss or gradient norm ({grad_norm.item()}), "
+                    f"each skipped; stopping (trainer.max_bad_updates={self.cfg.trainer.max_bad_updates}). "
+                    "Lower optim.lr or look at the rewards and data."
+                )
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.last_lr = lr

@@ -10,9 +10,10 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from launcher import sweep
+from launcher import overrides, sweep
 from launcher.main import run
 from launcher.schema import register
+from launcher.validate import ConfigError
 
 register()
 
@@ -23,5 +24,10 @@ def main(cfg: DictConfig) -> int:
 
 
 if __name__ == "__main__":
+    try:
+        overrides.check(sys.argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()
     sys.exit(sweep.finish())

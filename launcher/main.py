@@ -80,7 +80,9 @@ def run(cfg: DictConfig) -> int:
     hydra_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     try:
         typed, gpus = prepare(cfg)
-        run_dir, checkpoint, warnings = (hydra_dir, None, []) if typed.dry_run else resume.resolve(typed, hydra_dir)
+        run_dir, checkpoint, warnings = (
+            (hydra_dir, None, []) if typed.dry_run else resume.resolve(typed, hydra_dir)
+        )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         if not multirun:

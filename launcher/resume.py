@@ -33,7 +33,10 @@ def same_job(cfg: Config, saved_config: Path) -> bool:
     except Exception:
         return False
     mine = asdict(cfg)
-    return all(saved.get(k) == mine[k] for k in SAME_JOB_KEYS) and saved["trainer"]["seed"] == cfg.trainer.seed
+    return (
+        all(saved.get(k) == mine[k] for k in SAME_JOB_KEYS)
+        and saved["trainer"]["seed"] == cfg.trainer.seed
+    )
 
 
 def earlier_runs(run_dir: Path) -> list[Path]:
@@ -72,7 +75,9 @@ def resolve(cfg: Config, run_dir: Path) -> tuple[Path, Path | None, list[str]]:
         return run_dir, None, []
     path = Path(resume).expanduser().resolve()
     if not path.exists():
-        raise ConfigError(f"trainer.resume={resume!r} does not exist; give a checkpoint folder, a run directory, auto or none")
+        raise ConfigError(
+            f"trainer.resume={resume!r} does not exist; give a checkpoint folder, a run directory, auto or none"
+        )
     if (path / "checkpoints").is_dir():
         checkpoint, warnings = usable(path)
         if checkpoint is None:

@@ -118,7 +118,9 @@ class GracefulStop:
 
     def __init__(self, proc: subprocess.Popen, run_dir: Path):
         self.proc, self.path = proc, stop_file(run_dir)
-        self.previous = {sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {
+            sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
 
     def handle(self, signum: int, frame) -> None:
         if self.path.exists():
@@ -160,7 +162,9 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, s
         stopped = stop.restore()
     if code == 0:
         if stopped:
-            print(f"stopped at a checkpoint; continue with trainer.resume=auto hydra.run.dir={run_dir}")
+            print(
+                f"stopped at a checkpoint; continue with trainer.resume=auto hydra.run.dir={run_dir}"
+            )
         return 0, None
     failure = describe_failure("".join(kept[-400:]), run_dir, code)
     print(failure, file=sys.stderr)

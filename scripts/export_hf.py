@@ -28,7 +28,9 @@ def export(source: Path, out_dir: Path) -> Path:
         raise SystemExit(f"error: {source} holds no checkpoint")
     verify(folder)
     run_dir = folder.parents[1]
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml")))
+    cfg = OmegaConf.to_object(
+        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml"))
+    )
     model = AutoModelForCausalLM.from_config(hf_config(cfg.model), dtype=torch.float32)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(folder), no_dist=True)

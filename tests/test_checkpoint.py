@@ -10,9 +10,9 @@ import time
 
 import pytest
 import torch
+from conftest import REPO, compose_config, env, launch, torchrun
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO, compose_config, env, launch, torchrun
 from launcher import resume
 from launcher.validate import ConfigError
 
@@ -33,9 +33,11 @@ def runs(tmp_path_factory):
     """A: 6 steps in one go. B: 3 steps, then resumed to 6 (same command, trainer.resume=auto)."""
     root = tmp_path_factory.mktemp("ckpt")
     a, b = root / "a", root / "b"
-    for args in ([f"hydra.run.dir={a}", "trainer.max_steps=6"],
-                 [f"hydra.run.dir={b}", "trainer.max_steps=3"],
-                 [f"hydra.run.dir={b}", "trainer.max_steps=6", "trainer.resume=auto"]):
+    for args in (
+        [f"hydra.run.dir={a}", "trainer.max_steps=6"],
+        [f"hydra.run.dir={b}", "trainer.max_steps=3"],
+        [f"hydra.run.dir={b}", "trainer.max_steps=6", "trainer.resume=auto"],
+    ):
         out = launch(*RUN, *args, timeout=600)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "resuming" in out.stdout and "from step_000003" in out.stdout
@@ -54,8 +56,14 @@ def test_exact_resume_is_bit_identical(runs):
 def test_reshard_on_resume(runs, layout, tmp_path):
     a, b = runs
     step3 = b / "checkpoints" / "step_000003"
-    out = launch(*RUN, f"parallel={layout}", "trainer.max_steps=4", f"trainer.resume={step3}",
-                 f"hydra.run.dir={tmp_path / 'run'}", timeout=600)
+    out = launch(
+        *RUN,
+        f"parallel={layout}",
+        "trainer.max_steps=4",
+        f"trainer.resume={step3}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     (row,) = metrics(tmp_path / "run")
     expected = metrics(a)[3]
@@ -71,15 +79,22 @@ def test_reshard_on_resume(runs, layout, tmp_path):
 def test_export_round_trip(runs, tmp_path):
     a, _ = runs
     exported = AutoModelForCausalLM.from_pretrained(a / "hf")
-    out = subprocess.run([sys.executable, "scripts/export_hf.py", str(a), str(tmp_path / "x")], cwd=REPO, env=env(),
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "scripts/export_hf.py", str(a), str(tmp_path / "x")],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     from_checkpoint = AutoModelForCausalLM.from_pretrained(tmp_path / "x")
     fresh = AutoModelForCausalLM.from_config(exported.config)
     torch.manual_seed(0)
     for (name, w), w2 in zip(exported.state_dict().items(), from_checkpoint.state_dict().values()):
         assert torch.equal(w, w2), name
-    assert not torch.equal(exported.model.layers[0].mlp.up_proj.weight, fresh.model.layers[0].mlp.up_proj.weight)
+    assert not torch.equal(
+        exported.model.layers[0].mlp.up_proj.weight, fresh.model.layers[0].mlp.up_proj.weight
+    )
     assert (a / "hf" / "tokenizer.json").exists() and (a / "hf" / "config.json").exists()
 
 
@@ -98,14 +113,18 @@ def test_corrupt_checkpoint_falls_back_then_refuses(runs, tmp_path):
     with pytest.raises(ConfigError, match="no usable checkpoint.*incomplete"):
         resume.resolve(cfg, run_dir)
     out = launch(*RUN, "trainer.resume=auto", f"hydra.run.dir={run_dir}")
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "no usable checkpoint" in out.stderr
+    assert (
+        out.returncode == 2 and out.stderr.count("\n") == 1 and "no usable checkpoint" in out.stderr
+    )
 
 
 def test_a_half_written_checkpoint_is_never_latest(runs, tmp_path):
     _, b = runs
     run_dir = tmp_path / "b"
     shutil.copytree(b, run_dir)
-    shutil.copytree(run_dir / "checkpoints" / "step_000006", run_dir / "checkpoints" / "step_000007.tmp")
+    shutil.copytree(
+        run_dir / "checkpoints" / "step_000006", run_dir / "checkpoints" / "step_000007.tmp"
+    )
     _, checkpoint, warnings = resume.resolve(compose_config("trainer.resume=auto"), run_dir)
     assert checkpoint.name == "step_000006" and not warnings
 
@@ -127,7 +146,9 @@ def test_same_command_again_continues_the_previous_run(runs, tmp_path):
     cfg = compose_config(*RUN, "trainer.resume=auto")
     run_dir, checkpoint, _ = resume.resolve(cfg, new)
     assert run_dir == earlier and checkpoint.name == "step_000006"
-    other = compose_config(*RUN, "trainer.resume=auto", "trainer.seed=1")  # another job: not resumed
+    other = compose_config(
+        *RUN, "trainer.resume=auto", "trainer.seed=1"
+    )  # another job: not resumed
     assert resume.resolve(other, new) == (new, None, [])
 
 
@@ -136,7 +157,10 @@ def test_nan_gradient_skips_the_update_and_k_in_a_row_stop(tmp_path):
     torchrun("nan_guard.py", 2, str(tmp_path), str(out))
     r = json.loads(out.read_text())
     assert r["norms"] == ["nan", "nan"] and r["unchanged"] and r["bad_updates"] == 3
-    assert "3 updates in a row had a non-finite" in r["error"] and "trainer.max_bad_updates=3" in r["error"]
+    assert (
+        "3 updates in a row had a non-finite" in r["error"]
+        and "trainer.max_bad_updates=3" in r["error"]
+    )
 
 
 def test_sigint_checkpoints_and_stops_cleanly(tmp_path):

@@ -104,3 +104,46 @@ def test_cli_bad_value_keeps_an_existing_run_folder(tmp_path):
     out = launch("rl.temperature=-1", "device=cpu", f"hydra.run.dir={run_dir}")
     assert out.returncode == 2 and "rl.temperature=-1" in out.stderr
     assert (run_dir / "metrics.jsonl").read_text() == "{}\n"
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "parallel.dp_replicat_size=2",
+            "error: parallel.dp_replicat_size is not a config key; did you mean parallel.dp_replicate_size? "
+            "every key is listed in docs/configuration.md",
+        ),
+        ("parallel.nnodes=abc", "error: parallel.nnodes='abc' is not a valid int"),
+        ("trainer.max_steps=3.5", "error: trainer.max_steps=3.5 is not a valid int"),
+        (
+            "trainer.deterministic=3",
+            "error: trainer.deterministic=3 is not a valid bool (true or false)",
+        ),
+        (
+            "model=qwen3_5b",
+            "error: model=qwen3_5b is not a preset; did you mean qwen3_4b? choose one of qwen3_0_6b, qwen3_4b, qwen3_tiny",
+        ),
+        ("rl=ppo", "error: rl=ppo is not a preset; choose one of dapo, dr_grpo, grpo"),
+    ],
+)
+def test_cli_unknown_keys_wrong_types_and_presets_are_one_line(override, message, tmp_path):
+    out = launch(override, "device=cpu", f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2
+    assert out.stderr.strip() == message
+    assert not (tmp_path / "run").exists()
+
+
+def test_cli_valid_overrides_pass_the_precheck():
+    out = launch(
+        "model.path=null",
+        "optim.lr=1",
+        "rl.clip_high=0.3",
+        "+data.rewards.format=1",
+        "logger.tags=[a,b]",
+        "parallel=hsdp_r1s2,hsdp_r2s1",
+        "dry_run=true",
+        "-m",
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("hsdp-grpo plan:") == 2

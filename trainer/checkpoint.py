@@ -44,7 +44,9 @@ def step_name(step: int) -> str:
 
 
 def file_sizes(folder: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != META}
+    return {
+        p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != META
+    }
 
 
 def verify(folder: Path) -> dict:
@@ -61,7 +63,9 @@ def verify(folder: Path) -> dict:
         if name not in actual:
             raise CheckpointError(f"{folder} is incomplete: {name} is missing")
         if actual[name] != size:
-            raise CheckpointError(f"{folder} is corrupt: {name} has {actual[name]} bytes, {size} were written")
+            raise CheckpointError(
+                f"{folder} is corrupt: {name} has {actual[name]} bytes, {size} were written"
+            )
     return meta
 
 
@@ -70,7 +74,9 @@ def candidates(run_dir: str | Path) -> list[Path]:
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return []
-    found = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
+    found = sorted(
+        (p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp")), reverse=True
+    )
     latest = root / LATEST
     if latest.is_file() and (root / latest.read_text().strip()).is_dir():
         first = root / latest.read_text().strip()
@@ -97,7 +103,9 @@ def find_resumable(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     return None, warnings
 
 
-def save(model, optimizer, scheduler, step: int, run_dir: str | Path, layout: dict, keep_last: int) -> Path:
+def save(
+    model, optimizer, scheduler, step: int, run_dir: str | Path, layout: dict, keep_last: int
+) -> Path:
     """Collective: every rank writes its shards; rank 0 commits. Returns the checkpoint folder."""
     root = checkpoint_dir(run_dir)
     final, tmp = root / step_name(step), root / (step_name(step) + ".tmp")
@@ -105,11 +113,19 @@ def save(model, optimizer, scheduler, step: int, run_dir: str | Path, layout: di
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+    }
     dcp.save(state, checkpoint_id=str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
-        meta = {"step": step, "scheduler": scheduler.state_dict(), "layout": layout, "files": file_sizes(tmp)}
+        meta = {
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "layout": layout,
+            "files": file_sizes(tmp),
+        }
         (tmp / META).write_text(json.dumps(meta, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -127,7 +143,10 @@ def load(model, optimizer, scheduler, folder: str | Path) -> int:
     """Load a checkpoint into the (possibly differently sharded) model and optimizer; returns its step."""
     folder = Path(folder)
     meta = verify(folder)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+    }
     dcp.load(state, checkpoint_id=str(folder))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -139,7 +158,9 @@ def export_hf(model, tokenizer, out_dir: str | Path) -> Path:
     """Collective: gather the full weights to rank 0 (on CPU) and save them with save_pretrained."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     out_dir = Path(out_dir)
     if dist.get_rank() == 0:
         model.save_pretrained(out_dir, state_dict=state)

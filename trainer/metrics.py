@@ -104,7 +104,11 @@ class MetricsLogger:
     def truncate(self, step: int) -> None:
         """On resume: drop rows past the checkpoint's step, so the file reads as one run."""
         if self.is_main and self.path.exists():
-            rows = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= step]
+            rows = [
+                line
+                for line in self.path.read_text().splitlines()
+                if json.loads(line)["step"] <= step
+            ]
             self.path.write_text("".join(row + "\n" for row in rows))
 
     def log(self, metrics: dict[str, float]) -> None:

@@ -163,16 +163,27 @@ class GRPOTrainer:
             self.metrics.log(self.step(step))
             stop = self.stop_requested()
             if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):
-                path = checkpoint.save(self.model, self.optimizer, self.scheduler, step, self.cfg.run_dir,
-                                       self.layout(), t.keep_last)
+                path = checkpoint.save(
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    step,
+                    self.cfg.run_dir,
+                    self.layout(),
+                    t.keep_last,
+                )
                 print(f"checkpoint: {path}", flush=True) if self.ps.rank == 0 else None
             if stop:
                 print(f"stopped by request after step {step}", flush=True)
                 break
         else:
             if t.export_hf:
-                out = checkpoint.export_hf(self.model, self.tokenizer, Path(self.cfg.run_dir) / "hf")
-                print(f"exported Hugging Face weights: {out}", flush=True) if self.ps.rank == 0 else None
+                out = checkpoint.export_hf(
+                    self.model, self.tokenizer, Path(self.cfg.run_dir) / "hf"
+                )
+                print(
+                    f"exported Hugging Face weights: {out}", flush=True
+                ) if self.ps.rank == 0 else None
         self.metrics.close()
 
     def step(self, step: int) -> dict[str, float]:
@@ -193,7 +204,13 @@ class GRPOTrainer:
         self.sync()
         t4 = time.perf_counter()
         sums.max("perf/peak_mem_gb", peak_memory_gb(self.ps.device))
-        times = {"rollout": t1 - t0, "ref": t2 - t1, "train": t3 - t2, "sync": t4 - t3, "step": t4 - t0}
+        times = {
+            "rollout": t1 - t0,
+            "ref": t2 - t1,
+            "train": t3 - t2,
+            "sync": t4 - t3,
+            "step": t4 - t0,
+        }
         for name, seconds in times.items():
             sums.max(f"time/{name}_s", seconds)
         return self.summarize(step, sums.reduce(self.dp_group))

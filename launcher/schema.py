@@ -149,6 +149,11 @@ class RLConfig:
     entropy_coef: float = 0.0
     # `token_mean` | `seq_mean_token_mean` | `seq_mean_token_sum_norm` (sum / max_new_tokens).
     loss_agg: str = "token_mean"
+    # Rollout engine: `auto` (static KV cache + CUDA graph on GPUs, transformers generate on CPU)
+    # | `static` | `hf`.
+    engine: str = "auto"
+    # static engine: compile the decode step with torch.compile before capturing it.
+    compile_decode: bool = True
 
 
 @dataclass
@@ -190,6 +195,8 @@ class TrainerConfig:
     # `none` (start fresh) | `auto` (latest good checkpoint of this run, or of the newest earlier
     # run of the same job) | a checkpoint folder or run directory.
     resume: str = "none"
+    # Write a checkpoint at the end of the run (besides every save_every steps).
+    save_final: bool = True
     # Write the final weights in Hugging Face format (safetensors, config, tokenizer) to RUN_DIR/hf.
     export_hf: bool = True
     # Stop after this many updates in a row with a non-finite loss or gradient norm (each is skipped).

@@ -23,13 +23,14 @@ from torch import nn
 from launcher.schema import Config, OptimConfig
 from trainer import checkpoint
 from trainer.data import PromptSampler, load_prompts
+from trainer.engine import StaticCacheEngine
 from trainer.grpo import group_advantages, grpo_token_loss, loss_weights, token_logprobs
 from trainer.metrics import DPSums, MetricsLogger
 from trainer.model import build_model, compute_dtype, load_tokenizer
 from trainer.parallel import ParallelState
 from trainer.perf import peak_flops, peak_memory_gb, perf_metrics
 from trainer.rewards import score
-from trainer.rollout import HFRolloutEngine, Rollout, SamplingParams
+from trainer.rollout import HFRolloutEngine, Rollout, RolloutEngine, SamplingParams
 
 
 @dataclass
@@ -102,6 +103,17 @@ def sequence_logprobs(model: nn.Module, batch: Batch, rows: slice, temperature: 
     return token_logprobs(logits[:, :-1], batch.input_ids_NL[rows, 1:], temperature)
 
 
+def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
+    """`rl.engine`: the static-cache engine on GPUs (auto), transformers generate on CPU."""
+    kind = (
+        cfg.rl.engine if cfg.rl.engine != "auto" else ("static" if device.type == "cuda" else "hf")
+    )
+    dtype = compute_dtype(cfg.model, device.type)
+    if kind == "static":
+        return StaticCacheEngine(config, dtype, device, compile=cfg.rl.compile_decode)
+    return HFRolloutEngine(config, dtype, device, cfg.model.attn_implementation)
+
+
 class GRPOTrainer:
     def __init__(self, cfg: Config, ps: ParallelState, model: nn.Module):
         self.cfg, self.ps, self.model = cfg, ps, model
@@ -118,12 +130,7 @@ class GRPOTrainer:
             self.tokenizer.eos_token_id,
             self.tokenizer.pad_token_id,
         )
-        self.engine = HFRolloutEngine(
-            model.config,
-            compute_dtype(cfg.model, device.type),
-            device,
-            cfg.model.attn_implementation,
-        )
+        self.engine = make_engine(cfg, model.config, device)
         self.engine.load_weights(model)
         self.reference = None
         if self.rl.kl_coef > 0:
@@ -162,7 +169,11 @@ class GRPOTrainer:
         for step in range(self.resume() + 1, t.max_steps + 1):
             self.metrics.log(self.step(step))
             stop = self.stop_requested()
-            if stop or step == t.max_steps or (t.save_every and step % t.save_every == 0):
+            if (
+                stop
+                or (step == t.max_steps and t.save_final)
+                or (t.save_every and step % t.save_every == 0)
+            ):
                 path = checkpoint.save(
                     self.model,
                     self.optimizer,

@@ -1,0 +1,262 @@
+"""Benchmark the GPU hot paths of a GRPO step and compare each with its floor.
+
+    python scripts/bench.py                     # Qwen3-4B (random init) on one GPU
+    python scripts/bench.py --device cpu        # the tiny model on CPU: a smoke test of this script
+
+(a) decode: the static-cache engine against transformers `generate` (static cache) on the
+    same model and inputs, batch 64 and 256, prompt 128, 256 new tokens; the floor is every
+    weight byte plus the KV cache read once per token step, at the copy bandwidth measured here.
+(b) training: forward + backward + AdamW of the FSDP2-wrapped model on 8 x 1024 tokens through
+    the trainer's own log-prob path; MFU = 6 N T + attention FLOPs (trainer/perf.py) over the
+    bf16 matmul rate measured here.
+(c) one full GRPO step through the launcher (64 prompts x 8 samples, prompt 128, 256 new tokens)
+    with its breakdown, against the sum of the decode and training floors.
+
+Writes OUT/bench.json and OUT/bench.md (OUT defaults to bench_out/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from trainer.perf import matmul_params, train_flops  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeat: int = 3) -> float:
+    """Median wall seconds of fn() (synchronized), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_ceilings(device) -> dict[str, float]:
+    if device.type != "cuda":
+        return {"bandwidth_Bps": float("nan"), "bf16_flops": float("nan")}
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    t = timed(lambda: dst.copy_(src), device, repeat=10)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    tm = timed(lambda: a @ b, device, repeat=20)
+    return {"bandwidth_Bps": 2 * src.numel() / t, "bf16_flops": 2 * 8192**3 / tm}
+
+
+def preset(name: str):
+    """The typed config of `model=NAME model.init=random`, composed as the CLI does."""
+    from hydra import compose, initialize_config_dir
+
+    from launcher.main import to_typed
+    from launcher.schema import register
+
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return to_typed(
+            compose(config_name="config", overrides=[f"model={name}", "model.init=random"])
+        )
+
+
+def decode_floor(config, dtype, ceilings, batch: int, prompt: int, new: int) -> float:
+    """Seconds to read every weight once per token step, plus the KV cache each step attends over."""
+    weight_bytes = (
+        matmul_params(config) + config.num_hidden_layers * 4 * config.hidden_size
+    ) * dtype.itemsize
+    kv_per_token = (
+        config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    )
+    kv_bytes = sum(batch * (prompt + t) * kv_per_token for t in range(new))
+    return (new * weight_bytes + kv_bytes) / ceilings["bandwidth_Bps"]
+
+
+def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceilings) -> dict:
+    from transformers import GenerationConfig
+
+    from trainer.engine import StaticCacheEngine
+    from trainer.rollout import SamplingParams
+
+    torch.manual_seed(0)
+    engine = StaticCacheEngine(config, dtype, device, compile=device.type == "cuda")
+    prompts = torch.randint(0, min(config.vocab_size, 150_000), (batch, prompt)).tolist()
+    params = SamplingParams(
+        1.0, 1.0, new, eos_token_id=-1, pad_token_id=0
+    )  # no EOS: every step runs
+    t_engine = timed(lambda: engine.generate(prompts, 1, params), device)
+    ids = torch.tensor(prompts, device=device)
+    gen = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=new, min_new_tokens=new,
+                           cache_implementation="static", pad_token_id=0, eos_token_id=None)  # fmt: skip
+    t_hf = timed(lambda: engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                               generation_config=gen), device, repeat=1)  # fmt: skip
+    floor = decode_floor(config, dtype, ceilings, batch, prompt, new)
+    return {"batch": batch, "prompt": prompt, "new_tokens": new, "engine_s": t_engine, "hf_static_s": t_hf,
+            "floor_s": floor, "engine_over_floor": t_engine / floor, "hf_over_floor": t_hf / floor,
+            "engine_tokens_per_s": batch * new / t_engine}  # fmt: skip
+
+
+def train_bench(cfg, device, ceilings, micro: int, seq: int) -> dict:
+    """FSDP2 on one rank (world of 1), the trainer's log-prob path, AdamW."""
+    import torch.distributed as dist
+
+    from trainer.grpo import token_logprobs
+    from trainer.model import build_model
+    from trainer.parallel import ParallelState
+    from trainer.perf import peak_memory_gb
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    ps = ParallelState.build(device, 1)
+    model = build_model(cfg.model, ps.get_mesh("fsdp"), device, seed=0)
+    config = model.config
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
+    ids = torch.randint(0, min(config.vocab_size, 150_000), (micro, seq), device=device)
+
+    def step():
+        logits = model(input_ids=ids).logits
+        logp, _ = token_logprobs(logits[:, :-1], ids[:, 1:], 1.0)
+        (-logp.mean()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    peak_memory_gb(device)
+    t = timed(step, device, repeat=5)
+    flops = train_flops(config, micro * seq, micro * seq**2)
+    mem = peak_memory_gb(device)
+    dist.destroy_process_group()
+    return {
+        "tokens": micro * seq,
+        "step_s": t,
+        "tokens_per_s": micro * seq / t,
+        "flops": flops,
+        "mfu": flops / t / ceilings["bf16_flops"],
+        "floor_s": flops / ceilings["bf16_flops"],
+        "peak_mem_gb": mem,
+    }
+
+
+def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, samples: int, prompt: int, new: int,
+                    micro: int) -> dict:  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, str(ROOT / "launch.py"), "parallel=single", f"model={name}", "model.init=random",
+               f"device={device.type}", f"data.num_digits={prompt - 1}", f"rl.prompts_per_step={prompts}",
+               f"rl.samples_per_prompt={samples}", f"rl.max_new_tokens={new}", f"rl.micro_batch_responses={micro}",
+               "trainer.max_steps=2", "trainer.save_final=false", "trainer.export_hf=false", "logger=none",
+               f"hydra.run.dir={tmp}/run"]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        if out.returncode != 0:
+            raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
+        rows = [
+            json.loads(line)
+            for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
+        ]
+    last = rows[-1]  # step 2: compilation and capture happened in step 1
+    n = prompts * samples
+    length = prompt + last["rollout/response_len_mean"]
+    floor = (
+        decode_floor(config, dtype, ceilings, n, prompt, new)
+        + train_flops(config, n * length, n * length**2) / ceilings["bf16_flops"]
+    )
+    out = {
+        k: v for k, v in last.items() if k.startswith(("time/", "perf/", "rollout/response_len"))
+    }
+    return {**out, "floor_s": floor, "step_over_floor": last["time/step_s"] / floor}
+
+
+def markdown(r: dict) -> str:
+    lines = [f"# scripts/bench.py, {r['date']}", "", f"device: {r['device_name']}; torch {r['torch']}; model {r['model']}",
+             f"measured: copy bandwidth {r['ceilings']['bandwidth_Bps'] / 1e12:.2f} TB/s, "
+             f"bf16 matmul {r['ceilings']['bf16_flops'] / 1e12:.0f} TFLOP/s", "",
+             "| decode | engine s | HF static s | floor s | engine / floor | HF / floor | engine tok/s |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for d in r["decode"]:
+        lines.append(f"| batch {d['batch']}, prompt {d['prompt']}, {d['new_tokens']} new | {d['engine_s']:.3f} | "
+                     f"{d['hf_static_s']:.3f} | {d['floor_s']:.3f} | {d['engine_over_floor']:.2f}x | "
+                     f"{d['hf_over_floor']:.2f}x | {d['engine_tokens_per_s']:,.0f} |")  # fmt: skip
+    t = r["train"] or {
+        "tokens": 0,
+        "step_s": 0,
+        "tokens_per_s": 0,
+        "mfu": 0,
+        "floor_s": 0,
+        "peak_mem_gb": 0,
+    }
+    lines += ["", f"training: {t['tokens']} tokens/step, {t['step_s']:.3f} s/step, {t['tokens_per_s']:,.0f} tok/s, "
+              f"MFU {t['mfu']:.1%}, floor {t['floor_s']:.3f} s, peak {t['peak_mem_gb']:.1f} GB"]  # fmt: skip
+    if r.get("grpo"):
+        g = r["grpo"]
+        lines += ["", "| GRPO step | seconds |", "|---|---|"]
+        lines += [f"| {k} | {v:.3f} |" for k, v in g.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,train,grpo")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    name = "qwen3_4b" if gpu else "qwen3_tiny"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    skip = set(filter(None, args.skip.split(",")))
+    ceilings = measure_ceilings(device)
+    if not gpu:
+        ceilings = {
+            "bandwidth_Bps": 20e9,
+            "bf16_flops": 1e11,
+        }  # nominal CPU figures: a smoke test only
+    cfg = preset(name)
+    from trainer.model import hf_config
+
+    config = hf_config(cfg.model)
+    r = {"date": datetime.date.today().isoformat(), "device_name": torch.cuda.get_device_name() if gpu else "cpu",
+         "torch": torch.__version__, "model": name, "params_matmul": matmul_params(config), "ceilings": ceilings}  # fmt: skip
+    shapes = [(64, 128, 256), (256, 128, 256)] if gpu else [(4, 8, 8)]
+    r["decode"] = (
+        []
+        if "decode" in skip
+        else [decode_bench(config, device, dtype, *s, ceilings) for s in shapes]
+    )
+    r["train"] = (
+        train_bench(cfg, device, ceilings, *((8, 1024) if gpu else (2, 32)))
+        if "train" not in skip
+        else {}
+    )
+    print("train", json.dumps(r["train"]), flush=True)
+    if "grpo" not in skip:
+        shape = (64, 8, 128, 256, 16) if gpu else (4, 2, 8, 8, 8)
+        r["grpo"] = grpo_step_bench(name, config, device, dtype, ceilings, *shape)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(r, indent=1))
+    (out / "bench.md").write_text(markdown(r))
+    print(markdown(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""scripts/bench.py runs end to end on CPU with the tiny model (the GPU numbers are in docs/benchmarks.md)."""
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO, env
+
+
+def test_bench_cpu_smoke(tmp_path):
+    out = subprocess.run([sys.executable, "scripts/bench.py", "--device", "cpu", "--out", str(tmp_path)], cwd=REPO,
+                         env=env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    r = json.loads((tmp_path / "bench.json").read_text())
+    (decode,) = r["decode"]
+    assert decode["engine_s"] > 0 and decode["hf_static_s"] > 0 and decode["engine_tokens_per_s"] > 0
+    assert r["train"]["tokens"] == 64 and r["train"]["step_s"] > 0
+    assert r["grpo"]["time/step_s"] > 0 and "time/rollout_s" in r["grpo"]
+    assert "| decode |" in (tmp_path / "bench.md").read_text()

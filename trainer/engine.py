@@ -1,0 +1,217 @@
+"""The GPU rollout engine: static KV cache, one-pass prefill, a captured decode step.
+
+Decoding is bound by reading the weights and the KV cache once per token step. This engine
+keeps that the only work: the KV cache is allocated once at its full size (batch x
+(prompt + max_new_tokens)); the prompt is prefilled in one forward; each decode step (all
+layers, the lm_head, temperature / top-p sampling and the sampled token's log-prob) is one
+function, optionally compiled by torch.compile (fusing the elementwise work) and captured
+once as a CUDA graph, then replayed every token with no Python or launch overhead. The
+forward is written here against the Qwen3 modules' own weights (the same tensors the
+trainer refreshes), so it depends on the module layout, not on transformers' internals.
+
+Layout: prompts are left-padded to a common width W, so every sequence writes decode token
+t into cache column W + t; a per-sequence key mask hides the padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.rollout import HFRolloutEngine, Rollout, SamplingParams
+
+
+def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+    xf = x.float()
+    return norm.weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class StaticCacheEngine(HFRolloutEngine):
+    """Same interface and weights as HFRolloutEngine; generation is the static-cache loop."""
+
+    def __init__(self, config, dtype: torch.dtype, device: torch.device, compile: bool = True,
+                 cuda_graph: bool | None = None):  # fmt: skip
+        super().__init__(config, dtype, device, attn_implementation="sdpa")
+        self.config, self.dtype = config, dtype
+        self.compile = compile
+        self.cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
+        inv_freq = self.model.model.rotary_emb.inv_freq
+        self.inv_freq = inv_freq.float().to(device)
+        self.shape: tuple[int, int] | None = None  # (batch, cache length) the buffers are sized for
+        self.graph = None
+
+    # -- the model, on our own cache -------------------------------------------------------------
+
+    def rope(self, pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = pos_BT[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]  # (B, 1, T, d)
+
+    def forward(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, cols_T: torch.Tensor,
+                mask_B1TK: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Logits of the last position, writing K/V of positions `cols_T` into the cache."""
+        m, cfg = self.model.model, self.config
+        b, t = ids_BT.shape
+        hd, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        cos, sin = self.rope(pos_BT)
+        x = m.embed_tokens(ids_BT)
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            h = rms_norm(x, layer.input_layernorm)
+            q = rms_norm(a.q_proj(h).view(b, t, nq, hd), a.q_norm).transpose(1, 2)
+            k = rms_norm(a.k_proj(h).view(b, t, nkv, hd), a.k_norm).transpose(1, 2)
+            v = a.v_proj(h).view(b, t, nkv, hd).transpose(1, 2)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            self.k_cache[i].index_copy_(2, cols_T, k)
+            self.v_cache[i].index_copy_(2, cols_T, v)
+            # grouped-query attention without repeating K/V: the G query heads that share a KV head
+            # become G x T query rows of it, so each K/V byte is read once
+            g = nq // nkv
+            o = F.scaled_dot_product_attention(
+                q.reshape(b, nkv, g * t, hd), self.k_cache[i], self.v_cache[i],
+                attn_mask=mask_B1TK.repeat(1, 1, g, 1) if g > 1 else mask_B1TK,
+            ).view(b, nq, t, hd)  # fmt: skip
+            x = x + a.o_proj(o.transpose(1, 2).reshape(b, t, nq * hd))
+            h = rms_norm(x, layer.post_attention_layernorm)
+            x = x + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h))
+        return self.model.lm_head(rms_norm(x[:, -1], m.norm))
+
+    def sample(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample under softmax(logits / T) restricted to the top-p nucleus; log-prob under the full one."""
+        logp = F.log_softmax(logits_BV.float() / self.params.temperature, dim=-1)
+        probs = logp.exp()
+        if self.params.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > self.params.top_p  # keep the first token always
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        # exponential race: argmax p / E with E ~ Exp(1) is a draw from p (one pass, no multinomial)
+        token = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+        return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+    # -- buffers and the captured step -----------------------------------------------------------
+
+    def allocate(self, batch: int, length: int) -> None:
+        if self.shape is not None and self.shape[0] == batch and self.shape[1] >= length:
+            return
+        cfg, dev = self.config, self.device
+        shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)
+        self.k_cache = [
+            torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(cfg.num_hidden_layers)
+        ]
+        self.v_cache = [
+            torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(cfg.num_hidden_layers)
+        ]
+        self.key_valid = torch.zeros((batch, length), dtype=torch.bool, device=dev)
+        self.tok = torch.zeros(
+            batch, dtype=torch.long, device=dev
+        )  # step inputs and outputs, static
+        self.pos = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.col = torch.zeros(1, dtype=torch.long, device=dev)
+        self.logp = torch.zeros(batch, dtype=torch.float32, device=dev)
+        self.shape, self.graph = (batch, length), None
+        self._step = (
+            torch.compile(self.decode_step, fullgraph=True, dynamic=False)
+            if self.compile
+            else self.decode_step
+        )
+
+    def decode_step(self) -> None:
+        """Read self.tok at self.pos into cache column self.col; leave the next token and its log-prob."""
+        self.key_valid.index_fill_(1, self.col, True)
+        mask = self.key_valid[:, None, None, :]
+        logits = self.forward(self.tok[:, None], self.pos[:, None], self.col, mask)
+        token, logp = self.sample(logits)
+        self.tok.copy_(token)
+        self.logp.copy_(logp)
+        self.pos.add_(1)
+
+    def replay(self) -> None:
+        if not self.cuda_graph:
+            self._step()
+            return
+        if self.graph is None:  # warm up (compiles), then capture once for these buffers
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._snapshot_step()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._step()
+        self.graph.replay()
+
+    def _snapshot_step(self) -> None:
+        """A warm-up step that leaves every buffer as it found it."""
+        saved = [t.clone() for t in (self.tok, self.pos, self.logp, self.key_valid)]
+        self._step()
+        for t, s in zip((self.tok, self.pos, self.logp, self.key_valid), saved):
+            t.copy_(s)
+
+    # -- the engine interface --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams
+    ) -> Rollout:
+        if self.graph is not None and getattr(self, "params", None) != params:
+            self.graph = None  # temperature and top-p are baked into the captured step
+        self.params = params
+        rows = [p for p in prompts for _ in range(samples_per_prompt)]
+        b, width, new = len(rows), max(map(len, rows)), params.max_new_tokens
+        self.allocate(b, width + new)
+        length = self.shape[1]
+        ids = torch.full((b, width), params.pad_token_id, dtype=torch.long)
+        valid = torch.zeros((b, width), dtype=torch.bool)
+        for i, p in enumerate(rows):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            valid[i, width - len(p) :] = True
+        ids, valid = ids.to(self.device), valid.to(self.device)
+        pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        self.key_valid.zero_()
+        self.key_valid[:, :width] = valid
+        cols = torch.arange(width, device=self.device)
+        causal = torch.arange(length, device=self.device)[None, :] <= cols[:, None]  # (W, K)
+        mask = (self.key_valid[:, None, None, :] & causal) | (
+            cols[:, None] == torch.arange(length, device=self.device)
+        )
+        token, logp = self.sample(self.forward(ids, pos, cols, mask))  # prefill
+        tokens_BN = torch.empty((b, new), dtype=torch.long, device=self.device)
+        logps_BN = torch.empty((b, new), dtype=torch.float32, device=self.device)
+        tokens_BN[:, 0], logps_BN[:, 0] = token, logp
+        self.tok.copy_(token)
+        self.pos.copy_(pos[:, -1] + 1)
+        done = token == params.eos_token_id
+        steps = 1
+        for t in range(1, new):
+            self.col.fill_(width + t - 1)
+            self.replay()
+            tokens_BN[:, t], logps_BN[:, t] = self.tok, self.logp
+            done |= self.tok == params.eos_token_id
+            steps = t + 1
+            if t % 16 == 0 and bool(done.all()):  # one host sync every 16 tokens
+                break
+        return self.to_rollout(rows, tokens_BN[:, :steps].cpu(), logps_BN[:, :steps].cpu(), params)
+
+    @staticmethod
+    def to_rollout(rows, tokens_BN, logps_BN, params: SamplingParams) -> Rollout:
+        responses, logprobs, truncated = [], [], []
+        for i in range(len(rows)):
+            tokens = tokens_BN[i].tolist()
+            end = (
+                tokens.index(params.eos_token_id) + 1
+                if params.eos_token_id in tokens
+                else len(tokens)
+            )
+            responses.append(tokens[:end])
+            logprobs.append(logps_BN[i, :end])
+            truncated.append(params.eos_token_id not in tokens[:end])
+        return Rollout(rows, responses, logprobs, truncated)

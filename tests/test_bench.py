@@ -13,7 +13,9 @@ def test_bench_cpu_smoke(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     r = json.loads((tmp_path / "bench.json").read_text())
     (decode,) = r["decode"]
-    assert decode["engine_s"] > 0 and decode["hf_static_s"] > 0 and decode["engine_tokens_per_s"] > 0
+    assert (
+        decode["engine_s"] > 0 and decode["hf_static_s"] > 0 and decode["engine_tokens_per_s"] > 0
+    )
     assert r["train"]["tokens"] == 64 and r["train"]["step_s"] > 0
     assert r["grpo"]["time/step_s"] > 0 and "time/rollout_s" in r["grpo"]
     assert "| decode |" in (tmp_path / "bench.md").read_text()

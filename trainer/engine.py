@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.rollout import HFRolloutEngine, Rollout, SamplingParams
+from trainer.rollout import HFRolloutEngine, Rollout, SamplingParams, trim_at_eos
 
 
 def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -199,19 +199,6 @@ class StaticCacheEngine(HFRolloutEngine):
             steps = t + 1
             if t % 16 == 0 and bool(done.all()):  # one host sync every 16 tokens
                 break
-        return self.to_rollout(rows, tokens_BN[:, :steps].cpu(), logps_BN[:, :steps].cpu(), params)
-
-    @staticmethod
-    def to_rollout(rows, tokens_BN, logps_BN, params: SamplingParams) -> Rollout:
-        responses, logprobs, truncated = [], [], []
-        for i in range(len(rows)):
-            tokens = tokens_BN[i].tolist()
-            end = (
-                tokens.index(params.eos_token_id) + 1
-                if params.eos_token_id in tokens
-                else len(tokens)
-            )
-            responses.append(tokens[:end])
-            logprobs.append(logps_BN[i, :end])
-            truncated.append(params.eos_token_id not in tokens[:end])
-        return Rollout(rows, responses, logprobs, truncated)
+        return trim_at_eos(
+            rows, tokens_BN[:, :steps].cpu(), logps_BN[:, :steps].cpu(), params.eos_token_id
+        )

@@ -38,6 +38,19 @@ class Rollout:
     truncated: list[bool]
 
 
+def trim_at_eos(
+    rows: list[list[int]], tokens_NT: torch.Tensor, logp_NT: torch.Tensor, eos: int
+) -> Rollout:
+    """Cut each sampled row after its first EOS (kept); rows without one are truncated."""
+    responses, logprobs, truncated = [], [], []
+    for i, tokens in enumerate(tokens_NT.tolist()):
+        end = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        responses.append(tokens[:end])
+        logprobs.append(logp_NT[i, :end])
+        truncated.append(eos not in tokens[:end])
+    return Rollout(rows, responses, logprobs, truncated)
+
+
 class RolloutEngine(Protocol):
     def load_weights(self, policy: nn.Module) -> None: ...
 
@@ -122,16 +135,4 @@ class HFRolloutEngine:
             ],
             dim=1,
         ).cpu()
-        new_NT = new_NT.cpu()
-        responses, logprobs, truncated = [], [], []
-        for i in range(len(rows)):
-            tokens = new_NT[i].tolist()
-            end = (
-                tokens.index(params.eos_token_id) + 1
-                if params.eos_token_id in tokens
-                else len(tokens)
-            )
-            responses.append(tokens[:end])
-            logprobs.append(logp_NT[i, :end])
-            truncated.append(params.eos_token_id not in tokens[:end])
-        return Rollout(rows, responses, logprobs, truncated)
+        return trim_at_eos(rows, new_NT.cpu(), logp_NT, params.eos_token_id)

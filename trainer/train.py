@@ -183,7 +183,7 @@ class GRPOTrainer:
                     self.layout(),
                     t.keep_last,
                 )
-                print(f"checkpoint: {path}", flush=True) if self.ps.rank == 0 else None
+                print(f"checkpoint: {path}", flush=True)
             if stop:
                 print(f"stopped by request after step {step}", flush=True)
                 break
@@ -192,9 +192,7 @@ class GRPOTrainer:
                 out = checkpoint.export_hf(
                     self.model, self.tokenizer, Path(self.cfg.run_dir) / "hf"
                 )
-                print(
-                    f"exported Hugging Face weights: {out}", flush=True
-                ) if self.ps.rank == 0 else None
+                print(f"exported Hugging Face weights: {out}", flush=True)
         self.metrics.close()
 
     def step(self, step: int) -> dict[str, float]:

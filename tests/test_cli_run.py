@@ -74,7 +74,10 @@ def test_quickstart_learns_and_keeps_on_policy_invariants(tmp_path):
     assert {p.name for p in (run_dir / "logs").iterdir()} >= {f"rank_{i}.log" for i in range(4)}
 
 
-def test_kl_and_multiple_updates(tmp_path):
+def test_kl_and_multiple_updates_and_wandb_unreachable(tmp_path, monkeypatch):
+    """Also: logger.mode=online with no way to reach W&B logs offline with a warning and trains on."""
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
     run_dir = tmp_path / "run"
     out = launch(
         "parallel=hsdp_r1s2",
@@ -83,7 +86,7 @@ def test_kl_and_multiple_updates(tmp_path):
         "rl.kl_coef=0.1",
         "rl.updates_per_step=2",
         "rl.prompts_per_step=4",
-        "logger=none",
+        "logger.mode=online",
         f"hydra.run.dir={run_dir}",
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -93,6 +96,8 @@ def test_kl_and_multiple_updates(tmp_path):
         assert r["train/first_ppo_kl"] == 0.0 and r["train/first_clipfrac"] == 0.0
     assert rows[0]["train/ppo_kl"] != 0.0  # the second update is off-policy, and it shows
     assert rows[1]["train/kl"] > 0.0
+    assert "warning: W&B online failed" in out.stdout + out.stderr
+    assert list((run_dir / "wandb").glob("offline-run-*"))
 
 
 def test_killed_worker_stops_the_run_naming_the_rank(tmp_path):

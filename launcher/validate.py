@@ -131,7 +131,7 @@ def validate_model(cfg: Config) -> None:
     one_of("model.param_dtype", m.param_dtype, PARAM_DTYPES)
     one_of("model.reduce_dtype", m.reduce_dtype, REDUCE_DTYPES)
     one_of("model.attn_implementation", m.attn_implementation, ATTN)
-    if m.init == "pretrained":
+    if m.init == "pretrained" and not cfg.dry_run:  # a plan needs the architecture, not the weights
         check(
             bool(m.path),
             "model.init=pretrained needs model.path=/path/to/model (or model.init=random)",

@@ -7,6 +7,7 @@ is echoed here and kept in `logs/launcher.log`.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -139,13 +140,22 @@ class GracefulStop:
         return requested
 
 
+def die_with_launcher() -> None:
+    """Run in the torchrun child before exec: SIGTERM it if the launcher dies (Linux), so a
+    launcher killed outright never leaves a run going on in its own session."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, str | None]:
     """Run torchrun to completion: (0, None), or its exit code and the failure, also printed."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     stop_file(run_dir).unlink(missing_ok=True)
     proc = subprocess.Popen(
         torchrun_command(cfg, config_path), env=worker_env(cfg), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True,
+        stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True, preexec_fn=die_with_launcher,
     )  # fmt: skip
     stop = GracefulStop(proc, run_dir)
     kept: list[str] = []  # the failure summary is at the end

@@ -150,3 +150,33 @@ def test_unknown_reward_and_missing_data_are_rejected_before_start(tmp_path):
     )
     assert out.returncode == 2 and not run_dir.exists()
     assert "data.path=" in out.stderr and "does not exist" in out.stderr
+
+
+def test_a_launcher_killed_outright_takes_its_workers_with_it(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "launch.py"), "device=cpu", "trainer.max_steps=100000", "logger=none",
+         f"hydra.run.dir={run_dir}"],
+        cwd=REPO, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.time() + 240
+    while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    pids = [
+        int(re.search(r"pid (\d+)", (run_dir / "logs" / f"rank_{r}.log").read_text())[1])
+        for r in range(4)
+    ]
+    proc.kill()
+    proc.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    deadline = time.time() + 60
+    while time.time() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.5)
+    assert not any(alive(p) for p in pids)

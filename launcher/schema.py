@@ -242,6 +242,16 @@ class Config:
     run_dir: str | None = None
 
 
+def load(source) -> Config:
+    """A typed Config from a saved config.yaml (path) or a dict of values; unset keys take defaults."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.load(source) if isinstance(source, (str, Path)) else OmegaConf.create(source)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), values))
+
+
 def register() -> None:
     """Register the schema: `conf/config.yaml` starts from it, so every group file merged
     into it is checked against these dataclasses (unknown keys and wrong types fail)."""

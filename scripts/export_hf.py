@@ -14,10 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from launcher.schema import Config  # noqa: E402
+from launcher import schema  # noqa: E402
 from trainer.checkpoint import find_resumable, verify  # noqa: E402
 from trainer.model import hf_config, load_tokenizer  # noqa: E402
 
@@ -28,9 +27,7 @@ def export(source: Path, out_dir: Path) -> Path:
         raise SystemExit(f"error: {source} holds no checkpoint")
     verify(folder)
     run_dir = folder.parents[1]
-    cfg = OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml"))
-    )
+    cfg = schema.load(run_dir / "config.yaml")
     model = AutoModelForCausalLM.from_config(hf_config(cfg.model), dtype=torch.float32)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(folder), no_dist=True)

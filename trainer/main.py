@@ -15,16 +15,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from launcher.schema import Config
+from launcher import schema
 from trainer.model import build_model
 from trainer.parallel import ParallelState
-
-
-def load_config(path: str | Path) -> Config:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
 
 
 def redirect_output(log_path: Path, tee: bool) -> None:
@@ -89,7 +84,7 @@ def smoke_test(model: torch.nn.Module, ps: ParallelState, vocab_size: int) -> fl
 
 @record
 def main(config_path: str) -> None:
-    cfg = load_config(config_path)
+    cfg = schema.load(config_path)
     rank = int(os.environ["RANK"])
     redirect_output(Path(cfg.run_dir) / "logs" / f"rank_{rank}.log", tee=rank == 0)
     sys.stdout.reconfigure(line_buffering=True)

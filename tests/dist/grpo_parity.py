@@ -14,10 +14,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from launcher.schema import Config
+from launcher import schema
 from trainer.grpo import grpo_token_loss, loss_weights
 from trainer.metrics import DPSums
 from trainer.model import build_model, full_state_dict, hf_config
@@ -49,7 +48,7 @@ def rows_of(batch, rows: slice):
     return type(batch)(**sliced)
 
 
-def reference_grads(cfg: Config, batch, init) -> dict[str, torch.Tensor]:
+def reference_grads(cfg: schema.Config, batch, init) -> dict[str, torch.Tensor]:
     """The same loss, one process, whole batch, first update (old = current, detached)."""
     rl = cfg.rl
     model = AutoModelForCausalLM.from_config(hf_config(cfg.model), dtype=torch.float32)
@@ -72,12 +71,12 @@ def main(run_dir: str, out_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create({
+        cfg = schema.load({
             "parallel": {}, "data": {}, "logger": {"backend": "none"}, "run_dir": run_dir, "device": "cpu",
             "model": {"param_dtype": "fp32"},
             "rl": {"loss_agg": agg, "kl_coef": 0.05, "entropy_coef": 0.01, "micro_batch_responses": 2,
                    "max_new_tokens": 8, "prompts_per_step": world, "samples_per_prompt": 2},
-        })))
+        })
         init = full_state_dict(cfg.model, hf_config(cfg.model), seed=0)
         batch = global_batch(hf_config(cfg.model).vocab_size)
         ref = reference_grads(cfg, batch, init)

@@ -8,9 +8,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
-from launcher.schema import Config
+from launcher import schema
 from trainer.model import build_model
 from trainer.parallel import ParallelState
 from trainer.train import GRPOTrainer
@@ -18,10 +17,10 @@ from trainer.train import GRPOTrainer
 
 def main(run_dir: str, out_path: str) -> None:
     dist.init_process_group("gloo")
-    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create({
+    cfg = schema.load({
         "parallel": {}, "data": {}, "rl": {"prompts_per_step": 2}, "logger": {"backend": "none"},
         "run_dir": run_dir, "device": "cpu", "model": {}, "trainer": {"max_bad_updates": 3},
-    })))  # fmt: skip
+    })  # fmt: skip
     ps = ParallelState.build(torch.device("cpu"), 1)
     model = build_model(cfg.model, ps.get_mesh("fsdp"), ps.device, seed=0)
     trainer = GRPOTrainer(cfg, ps, model)

@@ -152,7 +152,17 @@ def plan(cfg: Config) -> str:
     local_responses = (
         cfg.rl.prompts_per_step * cfg.rl.samples_per_prompt // max(world // p.cp_size, 1)
     )
-    micro = -(-local_responses // cfg.rl.micro_batch_responses) if local_responses else 1
+    if (
+        cfg.rl.micro_batch_tokens > 0
+    ):  # rows of full-length responses per budget (prompts not counted)
+        per_micro = max(1, cfg.rl.micro_batch_tokens // cfg.rl.max_new_tokens)
+        what = f"<= {cfg.rl.micro_batch_tokens} tokens; about, for full-length responses"
+    else:
+        per_micro, what = (
+            cfg.rl.micro_batch_responses,
+            f"<= {cfg.rl.micro_batch_responses} responses",
+        )
+    micro = -(-local_responses // per_micro) if local_responses else 1
     traffic = [
         [
             "all-gather params (fwd + bwd)",
@@ -166,7 +176,7 @@ def plan(cfg: Config) -> str:
     ]
     out += [
         "",
-        f"bytes sent per rank ({micro} micro-batch(es) of <= {cfg.rl.micro_batch_responses} responses per optimizer step)",
+        f"bytes sent per rank ({micro} micro-batch(es) of {what} per optimizer step)",
         table(["collective", "group", "per fwd/bwd", "per optimizer step"], traffic),
         "",
         "activations and KV cache are not included; see docs/configuration.md for the knobs.",

@@ -81,6 +81,11 @@ class ModelConfig:
     reduce_dtype: str = "fp32"
     # Attention kernel passed to transformers: `sdpa` | `eager` | `flash_attention_2`.
     attn_implementation: str = "sdpa"
+    # Recompute each decoder layer's activations in backward instead of keeping them (about
+    # a third more compute; activation memory drops to the layer inputs).
+    activation_checkpointing: bool = False
+    # torch.compile each decoder layer (before sharding), fusing norms, RoPE and the MLP gate.
+    compile: bool = False
     # Run code shipped with a hub model. Off unless you trust the repository.
     trust_remote_code: bool = False
 
@@ -128,6 +133,9 @@ class RLConfig:
     updates_per_step: int = 1
     # Responses per forward/backward on one rank (memory knob; does not change the gradient).
     micro_batch_responses: int = 16
+    # Token budget per forward/backward on one rank (rows x longest row); 0: use
+    # micro_batch_responses. Rows are sorted by length and packed, so padding stays small.
+    micro_batch_tokens: int = 0
     # Longest response; longer ones are cut (counted in rollout/truncated_frac).
     max_new_tokens: int = 256
     # Sampling temperature; logits are divided by it in rollout and training alike.

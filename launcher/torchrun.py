@@ -50,6 +50,9 @@ def worker_env(cfg: Config) -> dict[str, str]:
     env.setdefault("PYTHONUNBUFFERED", "1")
     # Workers import this checkout even when it is not pip-installed.
     root = str(Path(__file__).resolve().parents[1])
+    # the rollout's KV cache and the update's activations come and go each step in different
+    # sizes: expandable segments keep that from fragmenting the cache (a user's setting wins)
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return env
 

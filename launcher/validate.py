@@ -207,6 +207,7 @@ def validate_rl(cfg: Config) -> None:
     at_least("rl.samples_per_prompt", r.samples_per_prompt, 2)  # a group of one has no advantage
     at_least("rl.updates_per_step", r.updates_per_step, 1)
     at_least("rl.micro_batch_responses", r.micro_batch_responses, 1)
+    at_least("rl.micro_batch_tokens", r.micro_batch_tokens, 0)
     at_least("rl.max_new_tokens", r.max_new_tokens, 1)
     check(
         r.prompts_per_step % dp == 0,

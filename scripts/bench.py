@@ -159,12 +159,11 @@ def train_bench(cfg, device, ceilings, micro: int, seq: int) -> dict:
 
 
 def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, samples: int, prompt: int, new: int,
-                    micro: int) -> dict:  # fmt: skip
+                    overrides: list[str]) -> dict:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(ROOT / "launch.py"), "parallel=single", f"model={name}", "model.init=random",
                f"device={device.type}", f"data.num_digits={prompt - 1}", f"rl.prompts_per_step={prompts}",
-               f"rl.samples_per_prompt={samples}", f"rl.max_new_tokens={new}", f"rl.micro_batch_responses={micro}",
-               "trainer.max_steps=2", "trainer.save_final=false", "trainer.export_hf=false", "logger=none",
+               f"rl.samples_per_prompt={samples}", f"rl.max_new_tokens={new}", *overrides, "trainer.max_steps=2", "trainer.save_final=false", "trainer.export_hf=false", "logger=none",
                f"hydra.run.dir={tmp}/run"]  # fmt: skip
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if out.returncode != 0:
@@ -183,7 +182,8 @@ def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, sa
     out = {
         k: v for k, v in last.items() if k.startswith(("time/", "perf/", "rollout/response_len"))
     }
-    return {**out, "floor_s": floor, "step_over_floor": last["time/step_s"] / floor}
+    return {"overrides": " ".join(overrides), **out, "floor_s": floor,
+            "step_over_floor": last["time/step_s"] / floor}  # fmt: skip
 
 
 def markdown(r: dict) -> str:
@@ -206,10 +206,17 @@ def markdown(r: dict) -> str:
     }
     lines += ["", f"training: {t['tokens']} tokens/step, {t['step_s']:.3f} s/step, {t['tokens_per_s']:,.0f} tok/s, "
               f"MFU {t['mfu']:.1%}, floor {t['floor_s']:.3f} s, peak {t['peak_mem_gb']:.1f} GB"]  # fmt: skip
-    if r.get("grpo"):
-        g = r["grpo"]
-        lines += ["", "| GRPO step | seconds |", "|---|---|"]
-        lines += [f"| {k} | {v:.3f} |" for k, v in g.items()]
+    for g in r.get("grpo", []):
+        lines += [
+            "",
+            f"GRPO step, {g['overrides'] or 'preset defaults'}",
+            "",
+            "| metric | value |",
+            "|---|---|",
+        ]
+        lines += [f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |"
+                  for k, v in g.items() if k not in ("overrides", "error")]  # fmt: skip
+        lines += [f"failed: {g['error'][-300:]!r}"] if "error" in g else []
     return "\n".join(lines) + "\n"
 
 
@@ -218,6 +225,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,train,grpo")
+    ap.add_argument("--grpo", action="append", default=None, metavar="OVERRIDES",
+                    help="launcher overrides for one GRPO-step run (space separated); repeat to compare "
+                    "variants; default: one run with the model preset's settings")  # fmt: skip
     args = ap.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -240,7 +250,9 @@ def main() -> None:
         section: str,
     ) -> None:  # after every section, so a run cut short keeps what it measured
         print(
-            section, json.dumps(r[section] if section != "decode" else r[section][-1:]), flush=True
+            section,
+            json.dumps(r[section][-1] if isinstance(r[section], list) else r[section]),
+            flush=True,
         )
         (out / "bench.json").write_text(json.dumps(r, indent=1))
         (out / "bench.md").write_text(markdown(r))
@@ -254,9 +266,17 @@ def main() -> None:
         r["train"] = train_bench(cfg, device, ceilings, *((8, 1024) if gpu else (2, 32)))
         save("train")
     if "grpo" not in skip:
-        shape = (64, 8, 128, 256, 8) if gpu else (4, 2, 8, 8, 8)
-        r["grpo"] = grpo_step_bench(name, config, device, dtype, ceilings, *shape)
-        save("grpo")
+        shape = (64, 8, 128, 256) if gpu else (4, 2, 8, 8)
+        r["grpo"] = []
+        for variant in args.grpo or [""]:
+            try:
+                g = grpo_step_bench(name, config, device, dtype, ceilings, *shape, variant.split())
+            except RuntimeError as e:  # one variant failing (e.g. out of memory) keeps the others
+                if not args.grpo:
+                    raise
+                g = {"overrides": variant, "error": str(e)[-1500:]}
+            r["grpo"].append(g)
+            save("grpo")
     print(markdown(r))
 
 

@@ -17,7 +17,6 @@ counts (all-reduced over dp), so the gradient is the same for any (r, s) and mic
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
@@ -31,15 +30,16 @@ def group_advantages(rewards_PG: torch.Tensor, std_normalize: bool, eps: float) 
 
 
 def _logprob_entropy(logits_CV: torch.Tensor, targets_C: torch.Tensor, temperature: float):
+    # log p = z - logsumexp(z); entropy = logsumexp(z) - sum softmax(z) z: two fp32 C x V temps
     z = logits_CV.float() / temperature
-    logp_CV = F.log_softmax(z, dim=-1)
-    logp_C = logp_CV.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1)
-    entropy_C = -(logp_CV.exp() * logp_CV).sum(-1)
+    lse_C = torch.logsumexp(z, dim=-1)
+    logp_C = z.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1) - lse_C
+    entropy_C = lse_C - (torch.softmax(z, dim=-1) * z).sum(-1)
     return logp_C, entropy_C
 
 
 def token_logprobs(
-    logits_NTV: torch.Tensor, targets_NT: torch.Tensor, temperature: float, chunk_tokens: int = 4096
+    logits_NTV: torch.Tensor, targets_NT: torch.Tensor, temperature: float, chunk_tokens: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and the entropy under softmax(logits / temperature), in fp32.
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -82,6 +83,37 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(model.model.layers)
 
 
+def checkpointed(layer: nn.Module) -> None:
+    """Recompute `layer`'s activations in backward: only its inputs are kept.
+
+    The checkpoint wraps the layer's `forward`, inside the module call where FSDP's hooks
+    run, as torchtitan's wrapper does: FSDP's pre-backward all-gather happens before the
+    recompute needs the weights. Names of parameters do not change.
+    """
+    forward = layer.forward
+
+    def forward_checkpointed(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = forward_checkpointed
+
+
+def apply_options(model: nn.Module, m: ModelConfig) -> None:
+    """`model.activation_checkpointing` and `model.compile` per decoder layer, before sharding.
+
+    `Module.compile` compiles each layer's call in place (names unchanged; dynamo leaves
+    FSDP's hooks out of the graph). Widths vary per micro-batch, so after a second width the
+    layer is recompiled once for dynamic shapes.
+    """
+    for layer in decoder_layers(model):
+        if m.activation_checkpointing:
+            checkpointed(layer)
+        if m.compile:
+            layer.compile()
+
+
 def shard_model(model: nn.Module, mesh, mp: MixedPrecisionPolicy) -> FSDPModule:
     """`fully_shard` each decoder layer (resharded after forward), then the root."""
     for layer in decoder_layers(model):
@@ -122,6 +154,7 @@ def build_model(
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.float32, attn_implementation=m.attn_implementation
         )
+    apply_options(model, m)
     shard_model(model, mesh, mp_policy(m, device.type))
     model.to_empty(device=device)
     reset_rotary_buffers(model, device)

@@ -96,11 +96,57 @@ def lr_factor(o: OptimConfig, total_steps: int):
     return factor
 
 
-def sequence_logprobs(model: nn.Module, batch: Batch, rows: slice, temperature: float):
-    logits = model(
-        input_ids=batch.input_ids_NL[rows], attention_mask=batch.attention_mask_NL[rows]
-    ).logits
-    return token_logprobs(logits[:, :-1], batch.input_ids_NL[rows, 1:], temperature)
+@dataclass(frozen=True)
+class MicroBatch:
+    """Rows of the batch run in one forward/backward, and the columns they need (their longest)."""
+
+    rows: torch.Tensor  # indices into the batch
+    width: int  # tokens per row in this micro-batch (the longest prompt + response among rows)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.rows) * self.width
+
+    @classmethod
+    def whole(cls, batch: Batch) -> MicroBatch:
+        return cls(torch.arange(batch.size), batch.input_ids_NL.shape[1])
+
+
+def plan_micro_batches(lengths: list[int], max_responses: int, max_tokens: int) -> list[MicroBatch]:
+    """Split rows of these lengths into micro-batches; the gradient does not depend on the split.
+
+    max_tokens = 0: consecutive groups of `max_responses` rows. max_tokens > 0: rows sorted by
+    length, longest first, packed while rows x longest <= max_tokens (a longer row runs alone),
+    so every micro-batch is near its budget and padding is only the length spread within it.
+    Each micro-batch is cut to its own longest row, so no column is pure padding.
+    """
+    n = len(lengths)
+    if max_tokens <= 0:
+        groups = [list(range(i, min(i + max_responses, n))) for i in range(0, n, max_responses)]
+    else:
+        groups, order = [], sorted(range(n), key=lambda i: -lengths[i])
+        for i in order:
+            if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+    return [MicroBatch(torch.tensor(g), max(lengths[i] for i in g)) for g in groups]
+
+
+def sequence_logprobs(model: nn.Module, batch: Batch, mb: MicroBatch, temperature: float):
+    """Log-probs and entropies of targets 0 .. width-2 of the micro-batch's rows.
+
+    Rows are right-padded, so under the causal mask no real token attends to padding: the
+    forward needs no attention mask (and SDPA takes its causal fast path). Padding positions
+    get values that the loss masks out.
+    """
+    ids = batch.input_ids_NL[mb.rows, : mb.width]
+    logits = model(input_ids=ids, use_cache=False).logits
+    # the target of the last column does not exist: score a dummy one and drop it, so the logits
+    # are never copied (a slice [:, :-1] would be, by the reshape inside token_logprobs)
+    targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    logp, entropy = token_logprobs(logits, targets, temperature)
+    return logp[:, :-1], entropy[:, :-1]
 
 
 def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
@@ -272,15 +318,18 @@ class GRPOTrainer:
         sums.add("sum_sq_len", batch.attention_mask_NL.sum(-1).double().square().sum())
         return batch
 
-    def micro_batches(self, n: int) -> list[slice]:
-        mb = self.rl.micro_batch_responses
-        return [slice(i, min(i + mb, n)) for i in range(0, n, mb)]
+    def micro_batches(self, batch: Batch) -> list[MicroBatch]:
+        lengths = batch.attention_mask_NL.sum(-1).tolist()
+        return plan_micro_batches(
+            lengths, self.rl.micro_batch_responses, self.rl.micro_batch_tokens
+        )
 
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch) -> torch.Tensor:
         out = torch.zeros_like(batch.sampling_logp_NT)
-        for rows in self.micro_batches(batch.size):
-            out[rows] = sequence_logprobs(self.reference, batch, rows, self.rl.temperature)[0]
+        for mb in self.micro_batches(batch):
+            logp = sequence_logprobs(self.reference, batch, mb, self.rl.temperature)[0]
+            out[mb.rows, : mb.width - 1] = logp
         return out
 
     def update(self, batch: Batch, sums: DPSums) -> None:
@@ -320,33 +369,34 @@ class GRPOTrainer:
         sampled): they are stored into `old_logp_NT`, and the ratio is exactly 1.
         """
         rl = self.rl
-        chunks = self.micro_batches(batch.size)
-        for k, rows in enumerate(chunks):
+        chunks = self.micro_batches(batch)
+        for k, mb in enumerate(chunks):
             if (
                 self.ps.dp_replicate_size > 1
             ):  # all-reduce across replicas once, after the last micro-batch
                 self.model.set_requires_all_reduce(k == len(chunks) - 1)
-            logp, entropy = sequence_logprobs(self.model, batch, rows, rl.temperature)
+            logp, entropy = sequence_logprobs(self.model, batch, mb, rl.temperature)
+            cols = slice(0, mb.width - 1)
             if first:
-                old_logp_NT[rows] = logp.detach()
+                old_logp_NT[mb.rows, cols] = logp.detach()
+            ref = None if batch.ref_logp_NT is None else batch.ref_logp_NT[mb.rows, cols]
             token_loss, stats = grpo_token_loss(
-                logp, old_logp_NT[rows], batch.advantages_N[rows], rl.clip_low, rl.clip_high,
-                ref_logp=None if batch.ref_logp_NT is None else batch.ref_logp_NT[rows],
-                kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
+                logp, old_logp_NT[mb.rows, cols], batch.advantages_N[mb.rows], rl.clip_low, rl.clip_high,
+                ref_logp=ref, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
                 entropy=entropy if rl.entropy_coef > 0 else entropy.detach(), entropy_coef=rl.entropy_coef,
             )  # fmt: skip
-            loss = (token_loss * weights_NT[rows]).sum()
+            loss = (token_loss * weights_NT[mb.rows, cols]).sum()
             # FSDP averages gradients over the dp ranks; the weights already divide by global
             # counts, so scaling by dp makes the result the gradient of the global loss.
             (loss * self.ps.dp_size).backward()
-            mask = batch.mask_NT[rows]
+            mask = batch.mask_NT[mb.rows, cols]
             sums.add("loss", loss)
             for name, per_token in stats.items():
                 sums.add(f"{name}_sum", (per_token * mask).sum())
                 if first:
                     sums.add(f"first_{name}_sum", (per_token * mask).sum())
             if first:
-                diff = (logp.detach() - batch.sampling_logp_NT[rows]).abs()
+                diff = (logp.detach() - batch.sampling_logp_NT[mb.rows, cols]).abs()
                 sums.add("logprob_diff_sum", (diff * mask).sum())
 
     def optimizer_step(self) -> float:

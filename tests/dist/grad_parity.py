@@ -1,6 +1,6 @@
 """Run under torchrun: gradient parity of the sharded tiny Qwen3 across (r, s) layouts.
 
-    torchrun --nproc-per-node 4 tests/dist/grad_parity.py OUT.json 1 2 4
+    torchrun --nproc-per-node 4 tests/dist/grad_parity.py OUT.json 1 2 4 [activation_checkpointing=true]
 
 For each replicate size R given, with every rank holding its own tokens, it records:
 - err_vs_ref: the largest |full gradient - reference| where the reference is an unsharded
@@ -33,10 +33,10 @@ def tolerance_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs() / (ATOL + RTOL * b.abs())).max().item()
 
 
-def main(out_path: str, replicate_sizes: list[int]) -> None:
+def main(out_path: str, replicate_sizes: list[int], options: dict) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    m = ModelConfig(param_dtype="fp32", reduce_dtype="fp32")
+    m = ModelConfig(param_dtype="fp32", reduce_dtype="fp32", **options)
     config = hf_config(m)
     init = full_state_dict(m, config, seed=0)
     ids = rank_tokens(rank, config.vocab_size)
@@ -73,4 +73,7 @@ def main(out_path: str, replicate_sizes: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], [int(x) for x in sys.argv[2:]])
+    # trailing KEY=true arguments set model options (activation_checkpointing, compile)
+    sizes = [int(a) for a in sys.argv[2:] if "=" not in a]
+    opts = dict(a.split("=") for a in sys.argv[2:] if "=" in a)
+    main(sys.argv[1], sizes, {k: v == "true" for k, v in opts.items()})

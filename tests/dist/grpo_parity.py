@@ -4,7 +4,7 @@
 
 One global batch of responses (random prompts, responses, advantages, sampling and reference
 log-probs) is split over the dp ranks; each rank runs the trainer's own `backward` with
-micro-batches of 2 responses. For every layout and loss aggregation it records the largest
+micro-batches of 2 responses, and (r2s2) with micro-batches packed by a token budget of 20. For every layout and loss aggregation it records the largest
 difference, in units of assert_close's tolerance, between the full gradient and one
 single-process computation of the same loss over the whole batch (no FSDP, no split).
 """
@@ -22,7 +22,8 @@ from trainer.metrics import DPSums
 from trainer.model import build_model, full_state_dict, hf_config
 from trainer.parallel import ParallelState
 from trainer.rollout import Rollout
-from trainer.train import GRPOTrainer, collate, sequence_logprobs
+from trainer.grpo import token_logprobs
+from trainer.train import GRPOTrainer, collate
 
 RTOL, ATOL = 2e-5, 2e-6
 NUM_RESPONSES = 16
@@ -53,7 +54,9 @@ def reference_grads(cfg: schema.Config, batch, init) -> dict[str, torch.Tensor]:
     rl = cfg.rl
     model = AutoModelForCausalLM.from_config(hf_config(cfg.model), dtype=torch.float32)
     model.load_state_dict(init)
-    logp, entropy = sequence_logprobs(model, batch, slice(None), rl.temperature)
+    # the plain way: the whole padded batch with its attention mask, logits sliced to targets
+    logits = model(input_ids=batch.input_ids_NL, attention_mask=batch.attention_mask_NL).logits
+    logp, entropy = token_logprobs(logits[:, :-1], batch.input_ids_NL[:, 1:], rl.temperature)
     token_loss, _ = grpo_token_loss(logp, logp.detach(), batch.advantages_N, rl.clip_low, rl.clip_high,
                                     ref_logp=batch.ref_logp_NT, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
                                     entropy=entropy, entropy_coef=rl.entropy_coef)
@@ -66,30 +69,37 @@ def ratio(a, b) -> float:
     return ((a - b).abs() / (ATOL + RTOL * b.abs())).max().item()
 
 
+def config(run_dir: str, agg: str, world: int, micro_tokens: int = 0) -> schema.Config:
+    return schema.load({
+        "parallel": {}, "data": {}, "logger": {"backend": "none"}, "run_dir": run_dir, "device": "cpu",
+        "model": {"param_dtype": "fp32"},
+        "rl": {"loss_agg": agg, "kl_coef": 0.05, "entropy_coef": 0.01, "micro_batch_responses": 2,
+               "micro_batch_tokens": micro_tokens, "max_new_tokens": 8, "prompts_per_step": world,
+               "samples_per_prompt": 2},
+    })  # fmt: skip
+
+
 def main(run_dir: str, out_path: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
-        cfg = schema.load({
-            "parallel": {}, "data": {}, "logger": {"backend": "none"}, "run_dir": run_dir, "device": "cpu",
-            "model": {"param_dtype": "fp32"},
-            "rl": {"loss_agg": agg, "kl_coef": 0.05, "entropy_coef": 0.01, "micro_batch_responses": 2,
-                   "max_new_tokens": 8, "prompts_per_step": world, "samples_per_prompt": 2},
-        })
+        cfg = config(run_dir, agg, world)
         init = full_state_dict(cfg.model, hf_config(cfg.model), seed=0)
         batch = global_batch(hf_config(cfg.model).vocab_size)
         ref = reference_grads(cfg, batch, init)
         per_rank = NUM_RESPONSES // world
         local = rows_of(batch, slice(rank * per_rank, (rank + 1) * per_rank))
-        for r in (1, 2, 4):
+        for r, micro_tokens in ((1, 0), (2, 0), (4, 0), (2, 20)):
+            run_cfg = config(run_dir, agg, world, micro_tokens)
             ps = ParallelState.build(torch.device("cpu"), r)
-            model = build_model(cfg.model, ps.get_mesh("fsdp"), ps.device, seed=0)
-            trainer = GRPOTrainer(cfg, ps, model)
+            model = build_model(run_cfg.model, ps.get_mesh("fsdp"), ps.device, seed=0)
+            trainer = GRPOTrainer(run_cfg, ps, model)
             old = torch.zeros_like(local.sampling_logp_NT)
             trainer.backward(local, trainer.loss_weights(local), old, first=True, sums=DPSums(ps.device))
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            results[f"{agg}/r{r}s{world // r}"] = max(ratio(grads[n], ref[n]) for n in grads)
+            key = f"{agg}/r{r}s{world // r}" + (f"/tokens{micro_tokens}" if micro_tokens else "")
+            results[key] = max(ratio(grads[n], ref[n]) for n in grads)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

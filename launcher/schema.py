@@ -162,6 +162,10 @@ class RLConfig:
     engine: str = "auto"
     # static engine: compile the decode step with torch.compile before capturing it.
     compile_decode: bool = True
+    # static engine: decode steps attend over the first 1/n, 2/n, ... n/n of the KV cache (the
+    # part that holds the tokens so far) instead of all of it every step; each of the n spans is
+    # its own compiled, captured step (about a minute of compile each for Qwen3-4B). 1: whole cache.
+    decode_spans: int = 3
 
 
 @dataclass

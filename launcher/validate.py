@@ -208,6 +208,11 @@ def validate_rl(cfg: Config) -> None:
     at_least("rl.updates_per_step", r.updates_per_step, 1)
     at_least("rl.micro_batch_responses", r.micro_batch_responses, 1)
     at_least("rl.micro_batch_tokens", r.micro_batch_tokens, 0)
+    at_least("rl.decode_spans", r.decode_spans, 1)
+    check(
+        r.decode_spans <= 8,
+        f"rl.decode_spans={r.decode_spans} is above 8 (torch.compile's recompile limit); use 1-8",
+    )
     at_least("rl.max_new_tokens", r.max_new_tokens, 1)
     check(
         r.prompts_per_step % dp == 0,

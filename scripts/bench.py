@@ -66,8 +66,8 @@ def measure_ceilings(device) -> dict[str, float]:
     return {"bandwidth_Bps": 2 * src.numel() / t, "bf16_flops": 2 * 8192**3 / tm}
 
 
-def preset(name: str):
-    """The typed config of `model=NAME model.init=random`, composed as the CLI does."""
+def preset(name: str, overrides: tuple[str, ...] = ()):
+    """The typed config of `model=NAME model.init=random OVERRIDES`, composed as the CLI does."""
     from hydra import compose, initialize_config_dir
 
     from launcher.main import to_typed
@@ -76,7 +76,9 @@ def preset(name: str):
     register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         return to_typed(
-            compose(config_name="config", overrides=[f"model={name}", "model.init=random"])
+            compose(
+                config_name="config", overrides=[f"model={name}", "model.init=random", *overrides]
+            )
         )
 
 
@@ -92,28 +94,57 @@ def decode_floor(config, dtype, ceilings, batch: int, prompt: int, new: int) -> 
     return (new * weight_bytes + kv_bytes) / ceilings["bandwidth_Bps"]
 
 
-def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceilings) -> dict:
+def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceilings,
+                 spans: list[int], profile: Path | None = None) -> dict:  # fmt: skip
+    """The engine with each `rl.decode_spans` in spans (the first is the default), then HF."""
     from transformers import GenerationConfig
 
     from trainer.engine import StaticCacheEngine
     from trainer.rollout import SamplingParams
 
-    torch.manual_seed(0)
-    engine = StaticCacheEngine(config, dtype, device, compile=device.type == "cuda")
     prompts = torch.randint(0, min(config.vocab_size, 150_000), (batch, prompt)).tolist()
-    params = SamplingParams(
-        1.0, 1.0, new, eos_token_id=-1, pad_token_id=0
-    )  # no EOS: every step runs
-    t_engine = timed(lambda: engine.generate(prompts, 1, params), device)
+    params = SamplingParams(1.0, 1.0, new, eos_token_id=-1, pad_token_id=0)  # no EOS: all steps run
+    floor = decode_floor(config, dtype, ceilings, batch, prompt, new)
+    variants = []
+    for n in spans:
+        torch.manual_seed(0)
+        engine = StaticCacheEngine(config, dtype, device, compile=device.type == "cuda",
+                                   spans=n)  # fmt: skip
+        sync(device)
+        t0 = time.perf_counter()
+        engine.generate(prompts, 1, params)  # compiles and captures each span's step
+        sync(device)
+        first = time.perf_counter() - t0
+        t = timed(lambda: engine.generate(prompts, 1, params), device)  # noqa: B023 (called here)
+        variants.append({"spans": n, "engine_s": t, "first_call_s": first,
+                         "engine_over_floor": t / floor})  # fmt: skip
+        if profile is not None and n == spans[0]:
+            profile_decode(engine, prompts, params, device, profile)
+        if n != spans[-1]:
+            del engine
+            torch.cuda.empty_cache() if device.type == "cuda" else None
     ids = torch.tensor(prompts, device=device)
     gen = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=new, min_new_tokens=new,
                            cache_implementation="static", pad_token_id=0, eos_token_id=None)  # fmt: skip
     t_hf = timed(lambda: engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                                generation_config=gen), device, repeat=1)  # fmt: skip
-    floor = decode_floor(config, dtype, ceilings, batch, prompt, new)
-    return {"batch": batch, "prompt": prompt, "new_tokens": new, "engine_s": t_engine, "hf_static_s": t_hf,
-            "floor_s": floor, "engine_over_floor": t_engine / floor, "hf_over_floor": t_hf / floor,
-            "engine_tokens_per_s": batch * new / t_engine}  # fmt: skip
+    t = variants[0]["engine_s"]
+    return {"batch": batch, "prompt": prompt, "new_tokens": new, "engine_s": t, "hf_static_s": t_hf,
+            "floor_s": floor, "engine_over_floor": t / floor, "hf_over_floor": t_hf / floor,
+            "engine_tokens_per_s": batch * new / t, "variants": variants}  # fmt: skip
+
+
+def profile_decode(engine, prompts, params, device, path: Path) -> None:
+    """GPU kernel time per kernel over one generate, steps run uncaptured (kernels as in the graph)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.cuda_graph = False
+    engine.generate(prompts, 1, params)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, 1, params)
+        sync(device)
+    engine.cuda_graph = device.type == "cuda"
+    path.write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30))
 
 
 def train_bench(cfg, device, ceilings, micro: int, seq: int) -> dict:
@@ -196,16 +227,16 @@ def markdown(r: dict) -> str:
         lines.append(f"| batch {d['batch']}, prompt {d['prompt']}, {d['new_tokens']} new | {d['engine_s']:.3f} | "
                      f"{d['hf_static_s']:.3f} | {d['floor_s']:.3f} | {d['engine_over_floor']:.2f}x | "
                      f"{d['hf_over_floor']:.2f}x | {d['engine_tokens_per_s']:,.0f} |")  # fmt: skip
-    t = r["train"] or {
-        "tokens": 0,
-        "step_s": 0,
-        "tokens_per_s": 0,
-        "mfu": 0,
-        "floor_s": 0,
-        "peak_mem_gb": 0,
-    }
-    lines += ["", f"training: {t['tokens']} tokens/step, {t['step_s']:.3f} s/step, {t['tokens_per_s']:,.0f} tok/s, "
-              f"MFU {t['mfu']:.1%}, floor {t['floor_s']:.3f} s, peak {t['peak_mem_gb']:.1f} GB"]  # fmt: skip
+    for d in r["decode"]:
+        lines += [f"batch {d['batch']}: " + ", ".join(
+            f"spans {v['spans']}: {v['engine_s']:.3f} s ({v['engine_over_floor']:.2f}x), "
+            f"first call {v['first_call_s']:.1f} s" for v in d.get("variants", []))]  # fmt: skip
+    for t in r["train"]:
+        what = t["overrides"] or "preset defaults"
+        lines += ["", f"training ({what}): failed: {t['error']!r}" if "error" in t else
+                  f"training ({what}): {t['tokens']} tokens/step, {t['step_s']:.3f} s/step, "
+                  f"{t['tokens_per_s']:,.0f} tok/s, MFU {t['mfu']:.1%}, floor {t['floor_s']:.3f} s, "
+                  f"peak {t['peak_mem_gb']:.1f} GB"]  # fmt: skip
     for g in r.get("grpo", []):
         lines += [
             "",
@@ -228,6 +259,23 @@ def main() -> None:
     ap.add_argument("--grpo", action="append", default=None, metavar="OVERRIDES",
                     help="launcher overrides for one GRPO-step run (space separated); repeat to compare "
                     "variants; default: one run with the model preset's settings")  # fmt: skip
+    ap.add_argument(
+        "--spans",
+        default=None,
+        help="comma list of rl.decode_spans values to time in (a); the first is reported "
+        "(default: the preset's value, then 1)",
+    )
+    ap.add_argument(
+        "--train",
+        action="append",
+        default=None,
+        metavar="OVERRIDES",
+        help="config overrides for one (b) run (e.g. model.compile=false); repeat to compare; "
+        "default: one run with the model preset's settings",
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="(a): write a kernel-time table per batch"
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -257,14 +305,29 @@ def main() -> None:
         (out / "bench.json").write_text(json.dumps(r, indent=1))
         (out / "bench.md").write_text(markdown(r))
 
-    r["decode"], r["train"] = [], {}
+    r["decode"], r["train"] = [], []
     for shape in [] if "decode" in skip else shapes:
-        r["decode"].append(decode_bench(config, device, dtype, *shape, ceilings))
+        spans = (
+            [int(k) for k in args.spans.split(",")]
+            if args.spans
+            else list(dict.fromkeys([cfg.rl.decode_spans, 1]))
+        )
+        profile = out / f"profile_decode_b{shape[0]}.txt" if args.profile and gpu else None
+        r["decode"].append(decode_bench(config, device, dtype, *shape, ceilings, spans, profile))
         save("decode")
         torch.cuda.empty_cache() if gpu else None
-    if "train" not in skip:
-        r["train"] = train_bench(cfg, device, ceilings, *((8, 1024) if gpu else (2, 32)))
+
+    for variant in [] if "train" in skip else args.train or [""]:
+        variant_cfg = preset(name, tuple(variant.split()))
+        try:
+            t = train_bench(variant_cfg, device, ceilings, *((8, 1024) if gpu else (2, 32)))
+        except torch.OutOfMemoryError as e:
+            if not args.train:
+                raise
+            t = {"error": str(e)[:300]}
+        r["train"].append({"overrides": variant, **t})
         save("train")
+        torch.cuda.empty_cache() if gpu else None
     if "grpo" not in skip:
         shape = (64, 8, 128, 256) if gpu else (4, 2, 8, 8)
         r["grpo"] = []

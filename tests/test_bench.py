@@ -16,7 +16,9 @@ def test_bench_cpu_smoke(tmp_path):
     assert (
         decode["engine_s"] > 0 and decode["hf_static_s"] > 0 and decode["engine_tokens_per_s"] > 0
     )
-    assert r["train"]["tokens"] == 64 and r["train"]["step_s"] > 0
+    assert [v["spans"] for v in decode["variants"]] == [3, 1]  # the preset's, then the whole cache
+    (train,) = r["train"]
+    assert train["tokens"] == 64 and train["step_s"] > 0 and train["overrides"] == ""
     (grpo,) = r["grpo"]
     assert grpo["time/step_s"] > 0 and "time/rollout_s" in grpo
     assert "| decode |" in (tmp_path / "bench.md").read_text()

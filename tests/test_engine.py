@@ -11,13 +11,16 @@ from trainer.rollout import SamplingParams
 from trainer.train import MicroBatch, collate, sequence_logprobs
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_sampling_logprobs_match_the_training_forward(top_p):
+@pytest.mark.parametrize("top_p, spans", [(1.0, 1), (0.9, 1), (1.0, 3)])
+def test_sampling_logprobs_match_the_training_forward(top_p, spans):
     config = hf_config(compose_config().model)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    engine = StaticCacheEngine(config, torch.float32, torch.device("cpu"), compile=False)
-    engine.model.load_state_dict(model.state_dict())
+    engine = StaticCacheEngine(
+        config, torch.float32, torch.device("cpu"), compile=False, spans=spans
+    )
+    engine.span_align = 1  # spans of 4, 8, 12 columns on this 12-column cache (6 + 6)
+    engine.model.load_state_dict(model.state_dict())  # fills the fused q/k/v, gate/up weights
     prompts = [
         [5, 6, 7],
         [8, 9, 10, 11, 12, 13],

@@ -9,6 +9,10 @@ once as a CUDA graph, then replayed every token with no Python or launch overhea
 forward is written here against the Qwen3 modules' own weights (the same tensors the
 trainer refreshes), so it depends on the module layout, not on transformers' internals.
 
+Projections that read the same input are one matmul: q/k/v and gate/up each live in one
+fused weight, and the modules' own parameters become row views of it, so the refresh (which
+copies into those parameters) fills the fused weight with no extra memory or copy.
+
 Layout: prompts are left-padded to a common width W, so every sequence writes decode token
 t into cache column W + t; a per-sequence key mask hides the padding.
 """
@@ -34,19 +38,40 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One (sum of out, in) weight (and bias) for linears on the same input; each keeps a view."""
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in linears])
+        bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
+
+
 class StaticCacheEngine(HFRolloutEngine):
     """Same interface and weights as HFRolloutEngine; generation is the static-cache loop."""
 
+    span_align = 64  # attention spans end on a multiple of this many cache columns
+
     def __init__(self, config, dtype: torch.dtype, device: torch.device, compile: bool = True,
-                 cuda_graph: bool | None = None):  # fmt: skip
+                 cuda_graph: bool | None = None, spans: int = 1):  # fmt: skip
         super().__init__(config, dtype, device, attn_implementation="sdpa")
         self.config, self.dtype = config, dtype
         self.compile = compile
         self.cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
         inv_freq = self.model.model.rotary_emb.inv_freq
         self.inv_freq = inv_freq.float().to(device)
+        self.qkv = [fuse_rows([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                    for layer in self.model.model.layers]  # fmt: skip
+        self.gate_up = [fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj])
+                        for layer in self.model.model.layers]  # fmt: skip
+        self.spans = spans
         self.shape: tuple[int, int] | None = None  # (batch, cache length) the buffers are sized for
-        self.graph = None
 
     # -- the model, on our own cache -------------------------------------------------------------
 
@@ -57,18 +82,22 @@ class StaticCacheEngine(HFRolloutEngine):
 
     def forward(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, cols_T: torch.Tensor,
                 mask_B1TK: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """Logits of the last position, writing K/V of positions `cols_T` into the cache."""
+        """Logits of the last position, writing K/V of positions `cols_T` into the cache.
+
+        `mask_B1TK` says which of the first K cache columns each query sees; only those are read."""
         m, cfg = self.model.model, self.config
         b, t = ids_BT.shape
         hd, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        span = mask_B1TK.shape[-1]  # attend over the first `span` cache columns
         cos, sin = self.rope(pos_BT)
         x = m.embed_tokens(ids_BT)
         for i, layer in enumerate(m.layers):
             a = layer.self_attn
             h = rms_norm(x, layer.input_layernorm)
-            q = rms_norm(a.q_proj(h).view(b, t, nq, hd), a.q_norm).transpose(1, 2)
-            k = rms_norm(a.k_proj(h).view(b, t, nkv, hd), a.k_norm).transpose(1, 2)
-            v = a.v_proj(h).view(b, t, nkv, hd).transpose(1, 2)
+            q, k, v = F.linear(h, *self.qkv[i]).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+            q = rms_norm(q.view(b, t, nq, hd), a.q_norm).transpose(1, 2)
+            k = rms_norm(k.view(b, t, nkv, hd), a.k_norm).transpose(1, 2)
+            v = v.view(b, t, nkv, hd).transpose(1, 2)
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             self.k_cache[i].index_copy_(2, cols_T, k)
             self.v_cache[i].index_copy_(2, cols_T, v)
@@ -76,12 +105,13 @@ class StaticCacheEngine(HFRolloutEngine):
             # become G x T query rows of it, so each K/V byte is read once
             g = nq // nkv
             o = F.scaled_dot_product_attention(
-                q.reshape(b, nkv, g * t, hd), self.k_cache[i], self.v_cache[i],
+                q.reshape(b, nkv, g * t, hd), self.k_cache[i][:, :, :span], self.v_cache[i][:, :, :span],
                 attn_mask=mask_B1TK.repeat(1, 1, g, 1) if g > 1 else mask_B1TK,
             ).view(b, nq, t, hd)  # fmt: skip
             x = x + a.o_proj(o.transpose(1, 2).reshape(b, t, nq * hd))
             h = rms_norm(x, layer.post_attention_layernorm)
-            x = x + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(h)) * layer.mlp.up_proj(h))
+            gate, up = F.linear(h, *self.gate_up[i]).chunk(2, dim=-1)
+            x = x + layer.mlp.down_proj(F.silu(gate) * up)
         return self.model.lm_head(rms_norm(x[:, -1], m.norm))
 
     def sample(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,49 +140,65 @@ class StaticCacheEngine(HFRolloutEngine):
             torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(cfg.num_hidden_layers)
         ]
         self.key_valid = torch.zeros((batch, length), dtype=torch.bool, device=dev)
-        self.tok = torch.zeros(
-            batch, dtype=torch.long, device=dev
-        )  # step inputs and outputs, static
+        # the step's inputs and outputs, static so that a captured graph can read and write them
+        self.tok = torch.zeros(batch, dtype=torch.long, device=dev)
         self.pos = torch.zeros(batch, dtype=torch.long, device=dev)
         self.col = torch.zeros(1, dtype=torch.long, device=dev)
         self.logp = torch.zeros(batch, dtype=torch.float32, device=dev)
-        self.shape, self.graph = (batch, length), None
-        self._step = (
-            torch.compile(self.decode_step, fullgraph=True, dynamic=False)
-            if self.compile
-            else self.decode_step
-        )
+        self.shape = (batch, length)
+        self.steps, self.graphs, self.pool = {}, {}, None
 
-    def decode_step(self) -> None:
+    def span(self, col: int) -> int:
+        """Cache columns a step writing column `col` attends over: the first of `spans` fixed
+        fractions of the cache (rounded up to 64 columns) that holds it. The fractions depend only
+        on the cache length, so at most `spans` steps are ever compiled for one buffer size."""
+        length, align = self.shape[1], self.span_align
+        for k in range(1, self.spans):
+            bound = min(length, -(-k * length // self.spans // align) * align)
+            if col < bound:
+                return bound
+        return length
+
+    def decode_step(self, span: int) -> None:
         """Read self.tok at self.pos into cache column self.col; leave the next token and its log-prob."""
         self.key_valid.index_fill_(1, self.col, True)
-        mask = self.key_valid[:, None, None, :]
+        mask = self.key_valid[:, None, None, :span]
         logits = self.forward(self.tok[:, None], self.pos[:, None], self.col, mask)
         token, logp = self.sample(logits)
         self.tok.copy_(token)
         self.logp.copy_(logp)
         self.pos.add_(1)
 
-    def replay(self) -> None:
+    def replay(self, span: int) -> None:
+        """One decode step over `span` cache columns: compiled and captured once per span."""
+        if span not in self.steps:  # each span is its own compiled graph (a recompile per span)
+
+            def step() -> None:
+                self.decode_step(span)
+
+            self.steps[span] = (
+                torch.compile(step, fullgraph=True, dynamic=False) if self.compile else step
+            )
         if not self.cuda_graph:
-            self._step()
+            self.steps[span]()
             return
-        if self.graph is None:  # warm up (compiles), then capture once for these buffers
+        if span not in self.graphs:  # warm up (compiles), then capture once for these buffers
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self._snapshot_step()
+                    self._snapshot_step(span)
             torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._step()
-        self.graph.replay()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):  # graphs run one at a time: one pool
+                self.steps[span]()
+            self.graphs[span], self.pool = graph, self.pool or graph.pool()
+        self.graphs[span].replay()
 
-    def _snapshot_step(self) -> None:
+    def _snapshot_step(self, span: int) -> None:
         """A warm-up step that leaves every buffer as it found it."""
         saved = [t.clone() for t in (self.tok, self.pos, self.logp, self.key_valid)]
-        self._step()
+        self.steps[span]()
         for t, s in zip((self.tok, self.pos, self.logp, self.key_valid), saved):
             t.copy_(s)
 
@@ -162,13 +208,12 @@ class StaticCacheEngine(HFRolloutEngine):
     def generate(
         self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams
     ) -> Rollout:
-        if self.graph is not None and getattr(self, "params", None) != params:
-            self.graph = None  # temperature and top-p are baked into the captured step
+        if self.shape is not None and getattr(self, "params", None) != params:
+            self.steps, self.graphs = {}, {}  # temperature and top-p are baked into the steps
         self.params = params
         rows = [p for p in prompts for _ in range(samples_per_prompt)]
         b, width, new = len(rows), max(map(len, rows)), params.max_new_tokens
         self.allocate(b, width + new)
-        length = self.shape[1]
         ids = torch.full((b, width), params.pad_token_id, dtype=torch.long)
         valid = torch.zeros((b, width), dtype=torch.bool)
         for i, p in enumerate(rows):
@@ -179,9 +224,9 @@ class StaticCacheEngine(HFRolloutEngine):
         self.key_valid.zero_()
         self.key_valid[:, :width] = valid
         cols = torch.arange(width, device=self.device)
-        causal = torch.arange(length, device=self.device)[None, :] <= cols[:, None]  # (W, K)
-        mask = (self.key_valid[:, None, None, :] & causal) | (
-            cols[:, None] == torch.arange(length, device=self.device)
+        causal = cols[None, :] <= cols[:, None]  # (W, W): the prompt attends only within itself
+        mask = (self.key_valid[:, None, None, :width] & causal) | torch.eye(
+            width, dtype=torch.bool, device=self.device
         )
         token, logp = self.sample(self.forward(ids, pos, cols, mask))  # prefill
         tokens_BN = torch.empty((b, new), dtype=torch.long, device=self.device)
@@ -193,7 +238,7 @@ class StaticCacheEngine(HFRolloutEngine):
         steps = 1
         for t in range(1, new):
             self.col.fill_(width + t - 1)
-            self.replay()
+            self.replay(self.span(width + t - 1))
             tokens_BN[:, t], logps_BN[:, t] = self.tok, self.logp
             done |= self.tok == params.eos_token_id
             steps = t + 1

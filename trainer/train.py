@@ -156,7 +156,9 @@ def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
     )
     dtype = compute_dtype(cfg.model, device.type)
     if kind == "static":
-        return StaticCacheEngine(config, dtype, device, compile=cfg.rl.compile_decode)
+        return StaticCacheEngine(
+            config, dtype, device, compile=cfg.rl.compile_decode, spans=cfg.rl.decode_spans
+        )
     return HFRolloutEngine(config, dtype, device, cfg.model.attn_implementation)
 
 

@@ -6,6 +6,7 @@ prints it and exits 2; no worker is started, no run folder is touched.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -23,6 +24,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 SCHEDULES = ("constant", "cosine")
 ENGINES = ("auto", "static", "hf")
+DECODE_ATTENTION = ("sdpa", "triton")
 DATASETS = ("synthetic", "gsm8k")
 LOGGERS = ("wandb", "none")
 WANDB_MODES = ("offline", "online", "disabled")
@@ -234,6 +236,14 @@ def validate_rl(cfg: Config) -> None:
     at_least("rl.entropy_coef", r.entropy_coef, 0)
     one_of("rl.loss_agg", r.loss_agg, LOSS_AGGS)
     one_of("rl.engine", r.engine, ENGINES)
+    one_of("rl.decode_attention", r.decode_attention, DECODE_ATTENTION)
+    if r.decode_attention == "triton":
+        hd = cfg.model.arch.head_dim
+        check(
+            hd >= 16 and hd & (hd - 1) == 0,
+            f"rl.decode_attention=triton needs a power-of-two model.arch.head_dim >= 16, "
+            f"not {hd}; use rl.decode_attention=sdpa",
+        )
     positive("rl.adv_eps", r.adv_eps)
     positive("optim.lr", o.lr)
     at_least("optim.weight_decay", o.weight_decay, 0)
@@ -258,6 +268,12 @@ def validate(cfg: Config, visible_gpus: int, check_gpu_count: bool = True) -> No
     one_of("logger.backend", cfg.logger.backend, LOGGERS)
     one_of("logger.mode", cfg.logger.mode, WANDB_MODES)
     validate_parallel(cfg, visible_gpus, check_gpu_count)
+    if cfg.rl.decode_attention == "triton" and resolve_device(cfg.device, visible_gpus) == "cuda":
+        check(
+            importlib.util.find_spec("triton") is not None,
+            "rl.decode_attention=triton but Triton is not installed; pip install triton, "
+            "or use rl.decode_attention=sdpa",
+        )
     validate_model(cfg)
     validate_data(cfg)
     validate_rl(cfg)

@@ -35,6 +35,8 @@ import torch  # noqa: E402
 
 from trainer.perf import matmul_params, train_flops  # noqa: E402
 
+WHOLE_CACHE = "rl.decode_attention=sdpa rl.decode_spans=1"  # the plain captured step: the baseline
+
 
 def sync(device):
     if device.type == "cuda":
@@ -95,8 +97,8 @@ def decode_floor(config, dtype, ceilings, batch: int, prompt: int, new: int) -> 
 
 
 def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceilings,
-                 spans: list[int], profile: Path | None = None) -> dict:  # fmt: skip
-    """The engine with each `rl.decode_spans` in spans (the first is the default), then HF."""
+                 variants: list[tuple[str, object]], profile: Path | None = None) -> dict:  # fmt: skip
+    """The engine under each (overrides, rl config) variant (the first is reported), then HF."""
     from transformers import GenerationConfig
 
     from trainer.engine import StaticCacheEngine
@@ -105,22 +107,22 @@ def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceili
     prompts = torch.randint(0, min(config.vocab_size, 150_000), (batch, prompt)).tolist()
     params = SamplingParams(1.0, 1.0, new, eos_token_id=-1, pad_token_id=0)  # no EOS: all steps run
     floor = decode_floor(config, dtype, ceilings, batch, prompt, new)
-    variants = []
-    for n in spans:
+    timings = []
+    for i, (overrides, rl) in enumerate(variants):
         torch.manual_seed(0)
         engine = StaticCacheEngine(config, dtype, device, compile=device.type == "cuda",
-                                   spans=n)  # fmt: skip
+                                   spans=rl.decode_spans, attention=rl.decode_attention)  # fmt: skip
         sync(device)
         t0 = time.perf_counter()
         engine.generate(prompts, 1, params)  # compiles and captures each span's step
         sync(device)
         first = time.perf_counter() - t0
         t = timed(lambda: engine.generate(prompts, 1, params), device)  # noqa: B023 (called here)
-        variants.append({"spans": n, "engine_s": t, "first_call_s": first,
-                         "engine_over_floor": t / floor})  # fmt: skip
-        if profile is not None and n == spans[0]:
-            profile_decode(engine, prompts, params, device, profile)
-        if n != spans[-1]:
+        timings.append({"overrides": overrides, "spans": rl.decode_spans, "attention": rl.decode_attention,
+                        "engine_s": t, "first_call_s": first, "engine_over_floor": t / floor})  # fmt: skip
+        if profile is not None:
+            profile_decode(engine, prompts, params, device, profile.with_suffix(f".{i}.txt"))
+        if i != len(variants) - 1:
             del engine
             torch.cuda.empty_cache() if device.type == "cuda" else None
     ids = torch.tensor(prompts, device=device)
@@ -128,10 +130,10 @@ def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceili
                            cache_implementation="static", pad_token_id=0, eos_token_id=None)  # fmt: skip
     t_hf = timed(lambda: engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                                generation_config=gen), device, repeat=1)  # fmt: skip
-    t = variants[0]["engine_s"]
+    t = timings[0]["engine_s"]
     return {"batch": batch, "prompt": prompt, "new_tokens": new, "engine_s": t, "hf_static_s": t_hf,
             "floor_s": floor, "engine_over_floor": t / floor, "hf_over_floor": t_hf / floor,
-            "engine_tokens_per_s": batch * new / t, "variants": variants}  # fmt: skip
+            "engine_tokens_per_s": batch * new / t, "variants": timings}  # fmt: skip
 
 
 def profile_decode(engine, prompts, params, device, path: Path) -> None:
@@ -229,7 +231,8 @@ def markdown(r: dict) -> str:
                      f"{d['hf_over_floor']:.2f}x | {d['engine_tokens_per_s']:,.0f} |")  # fmt: skip
     for d in r["decode"]:
         lines += [f"batch {d['batch']}: " + ", ".join(
-            f"spans {v['spans']}: {v['engine_s']:.3f} s ({v['engine_over_floor']:.2f}x), "
+            f"{v['overrides'] or 'preset defaults'} ({v['attention']}, spans {v['spans']}): "
+            f"{v['engine_s']:.3f} s ({v['engine_over_floor']:.2f}x), "
             f"first call {v['first_call_s']:.1f} s" for v in d.get("variants", []))]  # fmt: skip
     for t in r["train"]:
         what = t["overrides"] or "preset defaults"
@@ -260,10 +263,13 @@ def main() -> None:
                     help="launcher overrides for one GRPO-step run (space separated); repeat to compare "
                     "variants; default: one run with the model preset's settings")  # fmt: skip
     ap.add_argument(
-        "--spans",
+        "--decode",
+        action="append",
         default=None,
-        help="comma list of rl.decode_spans values to time in (a); the first is reported "
-        "(default: the preset's value, then 1)",
+        metavar="OVERRIDES",
+        help="rl.* overrides for one (a) engine variant (e.g. rl.decode_attention=triton); repeat "
+        "to compare, the first is reported; default: the preset's settings, then SDPA over the "
+        "whole cache (" + WHOLE_CACHE + ")",
     )
     ap.add_argument(
         "--train",
@@ -307,13 +313,11 @@ def main() -> None:
 
     r["decode"], r["train"] = [], []
     for shape in [] if "decode" in skip else shapes:
-        spans = (
-            [int(k) for k in args.spans.split(",")]
-            if args.spans
-            else list(dict.fromkeys([cfg.rl.decode_spans, 1]))
-        )
+        variants = [
+            (v, preset(name, tuple(v.split())).rl) for v in args.decode or ["", WHOLE_CACHE]
+        ]
         profile = out / f"profile_decode_b{shape[0]}.txt" if args.profile and gpu else None
-        r["decode"].append(decode_bench(config, device, dtype, *shape, ceilings, spans, profile))
+        r["decode"].append(decode_bench(config, device, dtype, *shape, ceilings, variants, profile))
         save("decode")
         torch.cuda.empty_cache() if gpu else None
 

@@ -13,6 +13,9 @@ from hydra import compose, initialize_config_dir
 from launcher.main import to_typed
 from launcher.schema import Config, register
 
+# Triton kernels run in Triton's interpreter on CPU tensors; it must be chosen before triton loads
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
 register()

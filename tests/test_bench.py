@@ -16,7 +16,8 @@ def test_bench_cpu_smoke(tmp_path):
     assert (
         decode["engine_s"] > 0 and decode["hf_static_s"] > 0 and decode["engine_tokens_per_s"] > 0
     )
-    assert [v["spans"] for v in decode["variants"]] == [3, 1]  # the preset's, then the whole cache
+    # the preset's engine, then SDPA over the whole cache
+    assert [(v["attention"], v["spans"]) for v in decode["variants"]] == [("sdpa", 3), ("sdpa", 1)]
     (train,) = r["train"]
     assert train["tokens"] == 64 and train["step_s"] > 0 and train["overrides"] == ""
     (grpo,) = r["grpo"]

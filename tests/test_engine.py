@@ -11,13 +11,18 @@ from trainer.rollout import SamplingParams
 from trainer.train import MicroBatch, collate, sequence_logprobs
 
 
-@pytest.mark.parametrize("top_p, spans", [(1.0, 1), (0.9, 1), (1.0, 3)])
-def test_sampling_logprobs_match_the_training_forward(top_p, spans):
+@pytest.mark.parametrize(
+    "top_p, spans, attention",
+    [(1.0, 1, "sdpa"), (0.9, 1, "sdpa"), (1.0, 3, "sdpa"), (1.0, 1, "triton")],
+)
+def test_sampling_logprobs_match_the_training_forward(top_p, spans, attention):
+    if attention == "triton":  # the GPU kernel, run by Triton's interpreter on CPU tensors
+        pytest.importorskip("triton")
     config = hf_config(compose_config().model)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     engine = StaticCacheEngine(
-        config, torch.float32, torch.device("cpu"), compile=False, spans=spans
+        config, torch.float32, torch.device("cpu"), compile=False, spans=spans, attention=attention
     )
     engine.span_align = 1  # spans of 4, 8, 12 columns on this 12-column cache (6 + 6)
     engine.model.load_state_dict(model.state_dict())  # fills the fused q/k/v, gate/up weights

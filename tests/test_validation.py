@@ -48,6 +48,13 @@ CASES = [
     (["rl.kl_estimator=k4"], 0, ["rl.kl_estimator='k4'", "k1, k2, k3"]),
     (["rl.loss_agg=sum"], 0, ["rl.loss_agg='sum'", "token_mean"]),
     (["rl.max_new_tokens=0"], 0, ["rl.max_new_tokens=0"]),
+    (["rl.decode_spans=9"], 0, ["rl.decode_spans=9", "use 1-8"]),
+    (["rl.decode_attention=flash"], 0, ["rl.decode_attention='flash'", "sdpa, triton"]),
+    (
+        ["rl.decode_attention=triton", "model.arch.head_dim=24"],
+        0,
+        ["rl.decode_attention=triton", "model.arch.head_dim", "not 24", "rl.decode_attention=sdpa"],
+    ),
     (["trainer.max_steps=0"], 0, ["trainer.max_steps=0"]),
     (["optim.lr=-1"], 0, ["optim.lr=-1"]),
     (
@@ -147,3 +154,16 @@ def test_cli_valid_overrides_pass_the_precheck():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("hsdp-grpo plan:") == 2
+
+
+def test_triton_attention_on_a_gpu_without_triton_says_how_to_fix(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
+    )
+    cfg = compose_config("parallel=single", "device=cuda", "rl.decode_attention=triton")
+    with pytest.raises(ConfigError, match="Triton is not installed.*rl.decode_attention=sdpa"):
+        validate(cfg, visible_gpus=1)
+    validate(compose_config("device=cpu", "rl.decode_attention=triton"), visible_gpus=0)  # unused

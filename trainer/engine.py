@@ -13,6 +13,10 @@ Projections that read the same input are one matmul: q/k/v and gate/up each live
 fused weight, and the modules' own parameters become row views of it, so the refresh (which
 copies into those parameters) fills the fused weight with no extra memory or copy.
 
+Decode attention is either SDPA over a span of the cache (`spans`: the first 1/n, 2/n, ... of
+it, each span its own compiled step) or a Triton split-K kernel (trainer/decode_attention.py)
+that reads exactly the filled columns in one compiled step.
+
 Layout: prompts are left-padded to a common width W, so every sequence writes decode token
 t into cache column W + t; a per-sequence key mask hides the padding.
 """
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer import decode_attention as triton_attention
 from trainer.rollout import HFRolloutEngine, Rollout, SamplingParams, trim_at_eos
 
 
@@ -59,9 +64,14 @@ class StaticCacheEngine(HFRolloutEngine):
     span_align = 64  # attention spans end on a multiple of this many cache columns
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, compile: bool = True,
-                 cuda_graph: bool | None = None, spans: int = 1):  # fmt: skip
+                 cuda_graph: bool | None = None, spans: int = 1, attention: str = "sdpa"):  # fmt: skip
         super().__init__(config, dtype, device, attn_implementation="sdpa")
         self.config, self.dtype = config, dtype
+        self.attention = (
+            attention  # decode steps: `sdpa` over a span, or the `triton` split-K kernel
+        )
+        if attention == "triton":
+            triton_attention.load()
         self.compile = compile
         self.cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
         inv_freq = self.model.model.rotary_emb.inv_freq
@@ -104,10 +114,19 @@ class StaticCacheEngine(HFRolloutEngine):
             # grouped-query attention without repeating K/V: the G query heads that share a KV head
             # become G x T query rows of it, so each K/V byte is read once
             g = nq // nkv
-            o = F.scaled_dot_product_attention(
-                q.reshape(b, nkv, g * t, hd), self.k_cache[i][:, :, :span], self.v_cache[i][:, :, :span],
-                attn_mask=mask_B1TK.repeat(1, 1, g, 1) if g > 1 else mask_B1TK,
-            ).view(b, nq, t, hd)  # fmt: skip
+            if t == 1 and self.attention == "triton":  # reads columns 0 .. col, whatever the span
+                o = triton_attention.decode_attention(
+                    q.reshape(b, nkv, g, hd),
+                    self.k_cache[i],
+                    self.v_cache[i],
+                    self.key_valid,
+                    cols_T,
+                ).view(b, nq, t, hd)
+            else:
+                o = F.scaled_dot_product_attention(
+                    q.reshape(b, nkv, g * t, hd), self.k_cache[i][:, :, :span], self.v_cache[i][:, :, :span],
+                    attn_mask=mask_B1TK.repeat(1, 1, g, 1) if g > 1 else mask_B1TK,
+                ).view(b, nq, t, hd)  # fmt: skip
             x = x + a.o_proj(o.transpose(1, 2).reshape(b, t, nq * hd))
             h = rms_norm(x, layer.post_attention_layernorm)
             gate, up = F.linear(h, *self.gate_up[i]).chunk(2, dim=-1)
@@ -153,6 +172,8 @@ class StaticCacheEngine(HFRolloutEngine):
         fractions of the cache (rounded up to 64 columns) that holds it. The fractions depend only
         on the cache length, so at most `spans` steps are ever compiled for one buffer size."""
         length, align = self.shape[1], self.span_align
+        if self.attention == "triton":  # the kernel bounds its reads itself: one step for all
+            return length
         for k in range(1, self.spans):
             bound = min(length, -(-k * length // self.spans // align) * align)
             if col < bound:
@@ -213,7 +234,9 @@ class StaticCacheEngine(HFRolloutEngine):
         self.params = params
         rows = [p for p in prompts for _ in range(samples_per_prompt)]
         b, width, new = len(rows), max(map(len, rows)), params.max_new_tokens
-        self.allocate(b, width + new)
+        # rounded up so that prompt widths varying by step reuse the buffers and compiled spans
+        # (a longer batch reallocates, and every span recompiles once for the new length)
+        self.allocate(b, -(-(width + new) // self.span_align) * self.span_align)
         ids = torch.full((b, width), params.pad_token_id, dtype=torch.long)
         valid = torch.zeros((b, width), dtype=torch.bool)
         for i, p in enumerate(rows):

@@ -156,9 +156,8 @@ def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
     )
     dtype = compute_dtype(cfg.model, device.type)
     if kind == "static":
-        return StaticCacheEngine(
-            config, dtype, device, compile=cfg.rl.compile_decode, spans=cfg.rl.decode_spans
-        )
+        return StaticCacheEngine(config, dtype, device, compile=cfg.rl.compile_decode,
+                                 spans=cfg.rl.decode_spans, attention=cfg.rl.decode_attention)  # fmt: skip
     return HFRolloutEngine(config, dtype, device, cfg.model.attn_implementation)
 
 

@@ -1,0 +1,51 @@
+"""The split-K decode-attention kernel against SDPA with the engine's mask, in Triton's
+interpreter on CPU (the same kernel source the GPU compiles). On a GPU machine,
+`TRITON_INTERPRET=0 pytest tests/test_decode_attention.py` runs the compiled kernel in bf16."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")  # a test dependency; conftest sets TRITON_INTERPRET=1
+GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
+DEVICE, DTYPE, TOL = ("cuda", torch.bfloat16, 2e-2) if GPU else ("cpu", torch.float32, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "batch, kv_heads, group, head_dim, length, col",
+    [
+        (3, 2, 4, 16, 200, 150),  # the filled length crosses a split (128 columns) mid-block
+        (2, 1, 1, 32, 64, 10),  # one query head per KV head, one partial block
+        (2, 2, 8, 16, 300, 299),  # the last column of a cache that is not a multiple of a split
+    ],
+)
+def test_matches_sdpa_over_the_filled_columns(batch, kv_heads, group, head_dim, length, col):
+    from trainer.decode_attention import decode_attention, load
+
+    load()
+    torch.manual_seed(0)
+    q = torch.randn(batch, kv_heads, group, head_dim, device=DEVICE)
+    k, v = (torch.randn(batch, kv_heads, length, head_dim, device=DEVICE) for _ in range(2))
+    valid = torch.rand(batch, length, device=DEVICE) > 0.3  # padding and holes, as prompts leave
+    valid[:, col] = True  # the engine marks the column it writes
+    valid[0, col + 1 :] = True  # stale keys past col must not be read
+    q, k, v = (x.to(DTYPE) for x in (q, k, v))
+    out = decode_attention(q, k, v, valid, torch.tensor([col], device=DEVICE))
+    assert out.dtype == DTYPE
+    seen = valid & (torch.arange(length, device=DEVICE) <= col)
+    q, k, v = (x.float() for x in (q, k, v))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None, None, :])
+    torch.testing.assert_close(out.float(), ref, rtol=TOL, atol=TOL)
+
+
+def test_a_sequence_with_one_valid_key_attends_to_it_alone():
+    from trainer.decode_attention import decode_attention, load
+
+    load()
+    q, k, v = (torch.randn(1, 1, n, 16, device=DEVICE, dtype=DTYPE) for n in (2, 256, 256))
+    valid = torch.zeros(1, 256, dtype=torch.bool, device=DEVICE)
+    valid[0, 140] = True  # in the second split; the first split has no valid key at all
+    out = decode_attention(q, k, v, valid, torch.tensor([140], device=DEVICE))
+    torch.testing.assert_close(out, v[:, :, 140:141].expand(1, 1, 2, 16))

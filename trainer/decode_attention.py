@@ -1,0 +1,114 @@
+"""Split-K decode attention for grouped-query heads over a static KV cache (Triton).
+
+One decode step has one query token per sequence. Its attention is bound by reading the K/V
+cache once, so the kernel's job is to read exactly the filled columns (0 .. col, masked by a
+per-sequence key mask), each byte once, with enough programs to keep every SM streaming:
+
+- one program per (sequence, KV head, split of SPLIT cache columns): the G query heads sharing a
+  KV head are the rows of one tile, so K/V are read once for all of them (no repeat_interleave);
+- the filled length comes from a device tensor (`col`), so one compiled kernel and one captured
+  CUDA graph serve every step: blocks past the filled length are skipped, not read;
+- each split leaves its softmax-normalised partial output and log-sum-exp; the splits are merged
+  with a softmax over their log-sum-exps (a few MB, fused by torch.compile into one pass).
+
+The cache length is a compile-time constant (one kernel per buffer size). Triton is imported
+by `load()` (the engine calls it when it is built with this attention), not by importing this
+module: CPU runs and machines without Triton never need it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SPLIT = 128  # cache columns per program
+BLOCK = 64  # cache columns per inner tile
+
+
+_kernel = None  # the @triton.jit function, once load() has built it
+
+
+def load():
+    """Build the kernel (imports Triton); outside torch.compile, so the traced step sees a global."""
+    global _kernel
+    if _kernel is not None:
+        return _kernel
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(Q, K, V, Valid, Col, Out, LSE, scale,
+                     sqb, sqh, skb, skh, svb, svh, sab, sob, soh, sos, slb, slh, sls,
+                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
+                     SPLIT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n = tl.load(Col) + 1  # columns 0 .. col are filled
+        g, d = tl.arange(0, GP), tl.arange(0, D)
+        rows = g < G
+        q = tl.load(
+            Q + b * sqb + h * sqh + g[:, None] * D + d[None, :], mask=rows[:, None], other=0.0
+        )
+        m = tl.full((GP,), float("-inf"), tl.float32)
+        denom = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, D), tl.float32)
+        for off in range(0, SPLIT, BLOCK):
+            start = s * SPLIT + off
+            if start < n:
+                c = start + tl.arange(0, BLOCK)
+                inb = (c < n) & (c < L)
+                ok = inb & (tl.load(Valid + b * sab + c, mask=inb, other=0) != 0)
+                k = tl.load(
+                    K + b * skb + h * skh + c[:, None] * D + d[None, :],
+                    mask=inb[:, None],
+                    other=0.0,
+                )
+                qk = tl.dot(q, tl.trans(k)) * scale
+                qk = tl.where(ok[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m, tl.max(qk, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: no NaN
+                p = tl.exp(qk - m_safe[:, None])
+                alpha = tl.exp(m - m_safe)
+                denom = denom * alpha + tl.sum(p, 1)
+                v = tl.load(
+                    V + b * svb + h * svh + c[:, None] * D + d[None, :],
+                    mask=inb[:, None],
+                    other=0.0,
+                )
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m = m_new
+        some = denom > 0
+        out = acc / tl.where(some, denom, 1.0)[:, None]
+        lse = tl.where(some, m + tl.log(tl.where(some, denom, 1.0)), float("-inf"))
+        tl.store(
+            Out + b * sob + h * soh + s * sos + g[:, None] * D + d[None, :], out, mask=rows[:, None]
+        )
+        tl.store(LSE + b * slb + h * slh + s * sls + g, lse, mask=rows)  # fmt: skip
+
+    _kernel = split_kernel
+    return _kernel
+
+
+def decode_attention(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
+                     valid_BL: torch.Tensor, col_1: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """softmax(q k^T / sqrt(D), keys c <= col with valid[b, c]) v for one query token.
+
+    q: (B, Hkv, G, D), the G query heads of each KV head; K/V cache: (B, Hkv, L, D), contiguous in
+    their last two dims; valid: (B, L) bool; col: (1,) long. Returns (B, Hkv, G, D) in q's dtype.
+    Every sequence must have a valid key at or before col (the engine marks col itself valid).
+    `load()` must have run first."""
+    b, h, g, d = q_BHGD.shape
+    length = k_BHLD.shape[2]
+    assert k_BHLD.stride(3) == 1 and k_BHLD.stride(2) == d and v_BHLD.stride(2) == d
+    assert d >= 16 and d & (d - 1) == 0, "head_dim must be a power of two >= 16"
+    q = q_BHGD.contiguous()
+    splits = -(-length // SPLIT)
+    o = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((b, h, splits, g), dtype=torch.float32, device=q.device)
+    _kernel[(b, h, splits)](
+        q, k_BHLD, v_BHLD, valid_BL, col_1, o, lse, d**-0.5,
+        q.stride(0), q.stride(1), k_BHLD.stride(0), k_BHLD.stride(1), v_BHLD.stride(0),
+        v_BHLD.stride(1), valid_BL.stride(0), o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, L=length, SPLIT=SPLIT, BLOCK=BLOCK,
+    )  # fmt: skip
+    weight = torch.softmax(lse, dim=2)  # splits with no valid key have lse -inf: weight 0
+    return (weight[..., None] * o).sum(2).to(q_BHGD.dtype)

@@ -36,9 +36,9 @@ def load():
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(Q, K, V, Valid, Col, Out, LSE, scale,
+    def split_kernel(Q, K, V, Valid, Col, Out, LSE,
                      sqb, sqh, skb, skh, svb, svh, sab, sob, soh, sos, slb, slh, sls,
-                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr,
+                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, SCALE: tl.constexpr,
                      SPLIT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.load(Col) + 1  # columns 0 .. col are filled
@@ -61,7 +61,7 @@ def load():
                     mask=inb[:, None],
                     other=0.0,
                 )
-                qk = tl.dot(q, tl.trans(k)) * scale
+                qk = tl.dot(q, tl.trans(k)) * SCALE
                 qk = tl.where(ok[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m, tl.max(qk, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: no NaN
@@ -104,11 +104,11 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.T
     o = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, h, splits, g), dtype=torch.float32, device=q.device)
     _kernel[(b, h, splits)](
-        q, k_BHLD, v_BHLD, valid_BL, col_1, o, lse, d**-0.5,
+        q, k_BHLD, v_BHLD, valid_BL, col_1, o, lse,
         q.stride(0), q.stride(1), k_BHLD.stride(0), k_BHLD.stride(1), v_BHLD.stride(0),
         v_BHLD.stride(1), valid_BL.stride(0), o.stride(0), o.stride(1), o.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
-        G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, L=length, SPLIT=SPLIT, BLOCK=BLOCK,
+        G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, L=length, SCALE=d**-0.5, SPLIT=SPLIT, BLOCK=BLOCK,
     )  # fmt: skip
     weight = torch.softmax(lse, dim=2)  # splits with no valid key have lse -inf: weight 0
     return (weight[..., None] * o).sum(2).to(q_BHGD.dtype)

@@ -49,3 +49,19 @@ def test_a_sequence_with_one_valid_key_attends_to_it_alone():
     valid[0, 140] = True  # in the second split; the first split has no valid key at all
     out = decode_attention(q, k, v, valid, torch.tensor([140], device=DEVICE))
     torch.testing.assert_close(out, v[:, :, 140:141].expand(1, 1, 2, 16))
+
+
+def test_the_op_traces_under_torch_compile():
+    """The engine calls it inside a fullgraph-compiled step: its fake and real outputs agree."""
+    from trainer.decode_attention import decode_attention, load
+
+    load()
+    q = torch.randn(2, 2, 4, 16, device=DEVICE, dtype=DTYPE)
+    k, v = (torch.randn(2, 2, 64, 16, device=DEVICE, dtype=DTYPE) for _ in range(2))
+    valid, col = (
+        torch.ones(2, 64, dtype=torch.bool, device=DEVICE),
+        torch.tensor([9], device=DEVICE),
+    )
+    torch.library.opcheck(decode_attention, (q, k, v, valid, col))
+    step = torch.compile(lambda: decode_attention(q, k, v, valid, col) * 2, fullgraph=True)
+    torch.testing.assert_close(step(), 2 * decode_attention(q, k, v, valid, col))

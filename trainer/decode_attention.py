@@ -9,7 +9,7 @@ per-sequence key mask), each byte once, with enough programs to keep every SM st
 - the filled length comes from a device tensor (`col`), so one compiled kernel and one captured
   CUDA graph serve every step: blocks past the filled length are skipped, not read;
 - each split leaves its softmax-normalised partial output and log-sum-exp; the splits are merged
-  with a softmax over their log-sum-exps (a few MB, fused by torch.compile into one pass).
+  with a softmax over their log-sum-exps (a few MB).
 
 The cache length is a compile-time constant (one kernel per buffer size). Triton is imported
 by `load()` (the engine calls it when it is built with this attention), not by importing this
@@ -87,6 +87,9 @@ def load():
     return _kernel
 
 
+# An opaque op to torch.compile: the traced decode step calls the kernel exactly as eager code
+# does (inductor does not re-type or re-wrap it), and the CUDA graph captures its launch.
+@torch.library.custom_op("hsdp_grpo::decode_attention", mutates_args=())
 def decode_attention(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
                      valid_BL: torch.Tensor, col_1: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """softmax(q k^T / sqrt(D), keys c <= col with valid[b, c]) v for one query token.
@@ -112,3 +115,8 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.T
     )  # fmt: skip
     weight = torch.softmax(lse, dim=2)  # splits with no valid key have lse -inf: weight 0
     return (weight[..., None] * o).sum(2).to(q_BHGD.dtype)
+
+
+@decode_attention.register_fake
+def _(q_BHGD, k_BHLD, v_BHLD, valid_BL, col_1):
+    return torch.empty_like(q_BHGD)

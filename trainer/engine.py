@@ -67,9 +67,8 @@ class StaticCacheEngine(HFRolloutEngine):
                  cuda_graph: bool | None = None, spans: int = 1, attention: str = "sdpa"):  # fmt: skip
         super().__init__(config, dtype, device, attn_implementation="sdpa")
         self.config, self.dtype = config, dtype
-        self.attention = (
-            attention  # decode steps: `sdpa` over a span, or the `triton` split-K kernel
-        )
+        # decode steps: `sdpa` over a span of the cache, or the `triton` split-K kernel
+        self.attention = attention
         if attention == "triton":
             triton_attention.load()
         self.compile = compile

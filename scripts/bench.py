@@ -98,27 +98,29 @@ def decode_floor(config, dtype, ceilings, batch: int, prompt: int, new: int) -> 
 
 def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceilings,
                  variants: list[tuple[str, object]], profile: Path | None = None) -> dict:  # fmt: skip
-    """The engine under each (overrides, rl config) variant (the first is reported), then HF."""
+    """The engine under each (overrides, config) variant (the first is reported), then HF."""
     from transformers import GenerationConfig
 
     from trainer.engine import StaticCacheEngine
     from trainer.rollout import SamplingParams
+    from trainer.train import decode_attention
 
     prompts = torch.randint(0, min(config.vocab_size, 150_000), (batch, prompt)).tolist()
     params = SamplingParams(1.0, 1.0, new, eos_token_id=-1, pad_token_id=0)  # no EOS: all steps run
     floor = decode_floor(config, dtype, ceilings, batch, prompt, new)
     timings = []
-    for i, (overrides, rl) in enumerate(variants):
+    for i, (overrides, cfg) in enumerate(variants):
         torch.manual_seed(0)
+        rl, attention = cfg.rl, decode_attention(cfg, device)
         engine = StaticCacheEngine(config, dtype, device, compile=device.type == "cuda",
-                                   spans=rl.decode_spans, attention=rl.decode_attention)  # fmt: skip
+                                   spans=rl.decode_spans, attention=attention)  # fmt: skip
         sync(device)
         t0 = time.perf_counter()
         engine.generate(prompts, 1, params)  # compiles and captures each span's step
         sync(device)
         first = time.perf_counter() - t0
         t = timed(lambda: engine.generate(prompts, 1, params), device)  # noqa: B023 (called here)
-        timings.append({"overrides": overrides, "spans": rl.decode_spans, "attention": rl.decode_attention,
+        timings.append({"overrides": overrides, "spans": rl.decode_spans, "attention": attention,
                         "engine_s": t, "first_call_s": first, "engine_over_floor": t / floor})  # fmt: skip
         if profile is not None:
             profile_decode(engine, prompts, params, device, profile.with_suffix(f".{i}.txt"))
@@ -313,9 +315,7 @@ def main() -> None:
 
     r["decode"], r["train"] = [], []
     for shape in [] if "decode" in skip else shapes:
-        variants = [
-            (v, preset(name, tuple(v.split())).rl) for v in args.decode or ["", WHOLE_CACHE]
-        ]
+        variants = [(v, preset(name, tuple(v.split()))) for v in args.decode or ["", WHOLE_CACHE]]
         profile = out / f"profile_decode_b{shape[0]}.txt" if args.profile and gpu else None
         r["decode"].append(decode_bench(config, device, dtype, *shape, ceilings, variants, profile))
         save("decode")

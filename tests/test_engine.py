@@ -64,3 +64,14 @@ def test_top_p_keeps_sampling_inside_the_nucleus():
     assert set(tokens[0::2].tolist()) == {0}  # 0.6 alone covers 0.5
     assert set(tokens[1::2].tolist()) == {1, 2}  # 0.45 does not: the next token joins
     torch.testing.assert_close(logp[0], torch.log(torch.tensor(0.6)))
+
+
+def test_auto_decode_attention_picks_triton_only_where_it_runs():
+    from trainer.train import decode_attention
+
+    pytest.importorskip("triton")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert decode_attention(compose_config(), cuda) == "triton"  # head_dim 16, Triton installed
+    assert decode_attention(compose_config(), cpu) == "sdpa"
+    assert decode_attention(compose_config("model.arch.head_dim=24"), cuda) == "sdpa"
+    assert decode_attention(compose_config("rl.decode_attention=sdpa"), cuda) == "sdpa"

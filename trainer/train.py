@@ -10,6 +10,7 @@ extra forward pass is spent on them).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import signal
 import time
@@ -149,6 +150,16 @@ def sequence_logprobs(model: nn.Module, batch: Batch, mb: MicroBatch, temperatur
     return logp[:, :-1], entropy[:, :-1]
 
 
+def decode_attention(cfg: Config, device: torch.device) -> str:
+    """`rl.decode_attention=auto`: the Triton kernel where it can run (a GPU, Triton, a
+    power-of-two head_dim >= 16), else SDPA."""
+    if cfg.rl.decode_attention != "auto":
+        return cfg.rl.decode_attention
+    hd = cfg.model.arch.head_dim
+    fits = device.type == "cuda" and hd >= 16 and hd & (hd - 1) == 0
+    return "triton" if fits and importlib.util.find_spec("triton") is not None else "sdpa"
+
+
 def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
     """`rl.engine`: the static-cache engine on GPUs (auto), transformers generate on CPU."""
     kind = (
@@ -157,7 +168,7 @@ def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
     dtype = compute_dtype(cfg.model, device.type)
     if kind == "static":
         return StaticCacheEngine(config, dtype, device, compile=cfg.rl.compile_decode,
-                                 spans=cfg.rl.decode_spans, attention=cfg.rl.decode_attention)  # fmt: skip
+                                 spans=cfg.rl.decode_spans, attention=decode_attention(cfg, device))  # fmt: skip
     return HFRolloutEngine(config, dtype, device, cfg.model.attn_implementation)
 
 

@@ -166,7 +166,7 @@ class RLConfig:
     # part that holds the tokens so far) instead of all of it every step; each of the n spans is
     # its own compiled, captured step (about a minute of compile each for Qwen3-4B). 1: whole cache.
     decode_spans: int = 3
-    # static engine, decode attention: `auto` (triton when Triton is installed and head_dim is a
+    # static engine, decode attention: `auto` (triton on a GPU with Triton installed and head_dim a
     # power of two >= 16, else sdpa) | `sdpa` (PyTorch SDPA over the span) | `triton` (a split-K
     # kernel that reads only the filled columns, one compiled step; needs a GPU and Triton).
     decode_attention: str = "auto"

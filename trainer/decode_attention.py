@@ -27,6 +27,11 @@ BLOCK = 64  # cache columns per inner tile
 _kernel = None  # the @triton.jit function, once load() has built it
 
 
+def supports(head_dim: int) -> bool:
+    """tl.dot tiles need a power-of-two head_dim of at least 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def load():
     """Build the kernel (imports Triton); outside torch.compile, so the traced step sees a global."""
     global _kernel
@@ -101,7 +106,7 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.T
     b, h, g, d = q_BHGD.shape
     length = k_BHLD.shape[2]
     assert k_BHLD.stride(3) == 1 and k_BHLD.stride(2) == d and v_BHLD.stride(2) == d
-    assert d >= 16 and d & (d - 1) == 0, "head_dim must be a power of two >= 16"
+    assert supports(d), "head_dim must be a power of two >= 16"
     q = q_BHGD.contiguous()
     splits = -(-length // SPLIT)
     o = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=q.device)

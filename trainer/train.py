@@ -155,8 +155,9 @@ def decode_attention(cfg: Config, device: torch.device) -> str:
     power-of-two head_dim >= 16), else SDPA."""
     if cfg.rl.decode_attention != "auto":
         return cfg.rl.decode_attention
-    hd = cfg.model.arch.head_dim
-    fits = device.type == "cuda" and hd >= 16 and hd & (hd - 1) == 0
+    from trainer.decode_attention import supports
+
+    fits = device.type == "cuda" and supports(cfg.model.arch.head_dim)
     return "triton" if fits and importlib.util.find_spec("triton") is not None else "sdpa"
 
 

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from trainer.engine import StaticCacheEngine
 from trainer.model import hf_config
 from trainer.rollout import SamplingParams
-from trainer.train import MicroBatch, collate, sequence_logprobs
+from trainer.train import collate, sequence_logprobs
 
 
 @pytest.mark.parametrize(
@@ -39,7 +39,7 @@ def test_sampling_logprobs_match_the_training_forward(top_p, spans, attention):
     assert len(rollout.response_ids) == 6 and all(1 <= len(r) <= 6 for r in rollout.response_ids)
     batch = collate(rollout, torch.zeros(6), torch.zeros(6), pad_id=256, device=torch.device("cpu"))
     with torch.no_grad():
-        logp, _ = sequence_logprobs(model, batch, MicroBatch.whole(batch), params.temperature)
+        logp, _ = sequence_logprobs(model, batch, params.temperature)
     mask = batch.mask_NT.bool()
     assert (logp[mask] - batch.sampling_logp_NT[mask]).abs().max() < 1e-4
     # a second call reuses the buffers and still agrees
@@ -48,7 +48,7 @@ def test_sampling_logprobs_match_the_training_forward(top_p, spans, attention):
         rollout2, torch.zeros(4), torch.zeros(4), pad_id=256, device=torch.device("cpu")
     )
     with torch.no_grad():
-        logp2, _ = sequence_logprobs(model, batch2, MicroBatch.whole(batch2), params.temperature)
+        logp2, _ = sequence_logprobs(model, batch2, params.temperature)
     m2 = batch2.mask_NT.bool()
     assert (logp2[m2] - batch2.sampling_logp_NT[m2]).abs().max() < 1e-4
 

@@ -28,6 +28,7 @@ class DPSums:
         self.device = device
         self.sums: dict[str, torch.Tensor] = {}
         self.maxes: dict[str, float] = {}
+        self.mins: dict[str, float] = {}
 
     def add(self, name: str, value: torch.Tensor | float) -> None:
         value = torch.as_tensor(value, dtype=torch.float64, device=self.device).detach().double()
@@ -36,18 +37,24 @@ class DPSums:
     def max(self, name: str, value: float) -> None:
         self.maxes[name] = max(self.maxes.get(name, -math.inf), value)
 
+    def min(self, name: str, value: float) -> None:
+        self.mins[name] = min(self.mins.get(name, math.inf), value)
+
     def reduce(self, group) -> dict[str, float]:
+        """Collective over `group`: every rank must have added the same names (they come from
+        code paths every rank runs, empty micro-batches included)."""
         names = sorted(self.sums)
         out: dict[str, float] = {}
         if names:
             t = torch.stack([self.sums[n].reshape(()) for n in names])
             dist.all_reduce(t, group=group)
             out.update(zip(names, t.tolist()))
-        if self.maxes:
-            keys = sorted(self.maxes)
-            m = torch.tensor([self.maxes[k] for k in keys], dtype=torch.float64, device=self.device)
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-            out.update(zip(keys, m.tolist()))
+        for values, op in ((self.maxes, dist.ReduceOp.MAX), (self.mins, dist.ReduceOp.MIN)):
+            if values:
+                keys = sorted(values)
+                m = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
+                dist.all_reduce(m, op=op, group=group)
+                out.update(zip(keys, m.tolist()))
         return out
 
 

@@ -53,6 +53,14 @@ def build_fsdp_meshes(
     return meshes
 
 
+def any_rank(flag: bool, device: torch.device, group=None) -> bool:
+    """True on every rank of `group` (default: all) if it is true on any: the one way a branch
+    that runs collectives is decided, so that no rank takes it alone (an all-reduce MAX)."""
+    t = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
 @dataclass
 class ParallelState:
     rank: int

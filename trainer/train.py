@@ -22,13 +22,14 @@ import torch.distributed as dist
 from torch import nn
 
 from launcher.schema import Config, OptimConfig
-from trainer import checkpoint
+from trainer import checkpoint, micro_batches
 from trainer.data import PromptSampler, load_prompts
 from trainer.engine import StaticCacheEngine
 from trainer.grpo import group_advantages, grpo_token_loss, loss_weights, token_logprobs
 from trainer.metrics import DPSums, MetricsLogger
+from trainer.micro_batches import MicroBatch
 from trainer.model import build_model, compute_dtype, load_tokenizer
-from trainer.parallel import ParallelState
+from trainer.parallel import ParallelState, any_rank
 from trainer.perf import peak_flops, peak_memory_gb, perf_metrics
 from trainer.rewards import score
 from trainer.rollout import HFRolloutEngine, Rollout, RolloutEngine, SamplingParams
@@ -36,7 +37,9 @@ from trainer.rollout import HFRolloutEngine, Rollout, RolloutEngine, SamplingPar
 
 @dataclass
 class Batch:
-    """One rank's rollout as right-padded tensors; T = longest prompt + response - 1 targets."""
+    """One rank's rollout as right-padded tensors; T = longest prompt + response - 1 targets.
+
+    Names say their shape: N responses, L tokens per row, T = L - 1 target positions."""
 
     input_ids_NL: torch.Tensor
     attention_mask_NL: torch.Tensor
@@ -47,10 +50,25 @@ class Batch:
     response_len_N: torch.Tensor
     truncated_N: torch.Tensor
     ref_logp_NT: torch.Tensor | None = None
+    old_logp_NT: torch.Tensor | None = None  # filled by the first update of a step
+    weights_NT: torch.Tensor | None = None  # per-token loss weights from the global counts
 
     @property
     def size(self) -> int:
         return self.input_ids_NL.shape[0]
+
+    def rows(self, mb: MicroBatch) -> Batch:
+        """The micro-batch's rows cut to its width; an empty micro-batch is one padding row
+        of width 2 whose masks and weights are zero (it runs the collectives, adds nothing)."""
+        if mb.empty:
+            return Batch(**{name: None if t is None else t.new_zeros((1, 2) if name.endswith("_NL")
+                                                                   else (1, 1) if name.endswith("_NT") else (1,))
+                            for name, t in vars(self).items()})  # fmt: skip
+        cut = {"_NL": mb.width, "_NT": mb.width - 1}
+        return Batch(**{
+            name: None if t is None else t[mb.rows, : cut[name[-3:]]] if name[-3:] in cut else t[mb.rows]
+            for name, t in vars(self).items()
+        })  # fmt: skip
 
 
 def collate(
@@ -97,51 +115,14 @@ def lr_factor(o: OptimConfig, total_steps: int):
     return factor
 
 
-@dataclass(frozen=True)
-class MicroBatch:
-    """Rows of the batch run in one forward/backward, and the columns they need (their longest)."""
-
-    rows: torch.Tensor  # indices into the batch
-    width: int  # tokens per row in this micro-batch (the longest prompt + response among rows)
-
-    @property
-    def tokens(self) -> int:
-        return len(self.rows) * self.width
-
-    @classmethod
-    def whole(cls, batch: Batch) -> MicroBatch:
-        return cls(torch.arange(batch.size), batch.input_ids_NL.shape[1])
-
-
-def plan_micro_batches(lengths: list[int], max_responses: int, max_tokens: int) -> list[MicroBatch]:
-    """Split rows of these lengths into micro-batches; the gradient does not depend on the split.
-
-    max_tokens = 0: consecutive groups of `max_responses` rows. max_tokens > 0: rows sorted by
-    length, longest first, packed while rows x longest <= max_tokens (a longer row runs alone),
-    so every micro-batch is near its budget and padding is only the length spread within it.
-    Each micro-batch is cut to its own longest row, so no column is pure padding.
-    """
-    n = len(lengths)
-    if max_tokens <= 0:
-        groups = [list(range(i, min(i + max_responses, n))) for i in range(0, n, max_responses)]
-    else:
-        groups, order = [], sorted(range(n), key=lambda i: -lengths[i])
-        for i in order:
-            if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-    return [MicroBatch(torch.tensor(g), max(lengths[i] for i in g)) for g in groups]
-
-
-def sequence_logprobs(model: nn.Module, batch: Batch, mb: MicroBatch, temperature: float):
-    """Log-probs and entropies of targets 0 .. width-2 of the micro-batch's rows.
+def sequence_logprobs(model: nn.Module, batch: Batch, temperature: float):
+    """Log-probs and entropies of targets 0 .. L-2 of every row of `batch` (N x T each).
 
     Rows are right-padded, so under the causal mask no real token attends to padding: the
     forward needs no attention mask (and SDPA takes its causal fast path). Padding positions
     get values that the loss masks out.
     """
-    ids = batch.input_ids_NL[mb.rows, : mb.width]
+    ids = batch.input_ids_NL
     logits = model(input_ids=ids, use_cache=False).logits
     # the target of the last column does not exist: score a dummy one and drop it, so the logits
     # are never copied (a slice [:, :-1] would be, by the reshape inside token_logprobs)
@@ -261,11 +242,12 @@ class GRPOTrainer:
         batch = self.rollout(step, sums)
         self.sync()
         t1 = time.perf_counter()
+        plan = self.micro_batches(batch, sums)
         if self.reference is not None:
-            batch.ref_logp_NT = self.reference_logprobs(batch)
+            batch.ref_logp_NT = self.reference_logprobs(batch, plan)
         self.sync()
         t2 = time.perf_counter()
-        self.update(batch, sums)
+        self.update(batch, plan, sums)
         self.sync()
         t3 = time.perf_counter()
         self.engine.load_weights(self.model)
@@ -296,10 +278,10 @@ class GRPOTrainer:
 
     def stop_requested(self) -> bool:
         """A stop asked of the launcher (its STOP file) or of any worker (SIGTERM), agreed by all ranks."""
-        asked = self.sigterm or (self.ps.rank == 0 and (Path(self.cfg.run_dir) / "STOP").exists())
-        flag = torch.tensor([float(asked)], device=self.ps.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        asked = self.sigterm or (
+            self.ps.local_rank == 0 and (Path(self.cfg.run_dir) / "STOP").exists()
+        )
+        return any_rank(asked, self.ps.device)  # stop (and save) together or not at all
 
     def layout(self) -> dict[str, int]:
         return {"world_size": self.ps.world_size, "dp_replicate_size": self.ps.dp_replicate_size,
@@ -331,31 +313,45 @@ class GRPOTrainer:
         sums.add("sum_sq_len", batch.attention_mask_NL.sum(-1).double().square().sum())
         return batch
 
-    def micro_batches(self, batch: Batch) -> list[MicroBatch]:
+    def micro_batches(self, batch: Batch, sums: DPSums | None = None) -> list[MicroBatch]:
+        """Collective: this rank's micro-batches for the step, as many as every other rank runs
+        (the count is all-reduced over dp; see trainer/micro_batches.py). One plan serves the
+        reference pass and every update of the step: the rows do not change in between."""
         lengths = batch.attention_mask_NL.sum(-1).tolist()
-        return plan_micro_batches(
-            lengths, self.rl.micro_batch_responses, self.rl.micro_batch_tokens
-        )
+        rl = self.rl
+        needed = micro_batches.local_count(lengths, rl.micro_batch_responses, rl.micro_batch_tokens)
+        count = micro_batches.agreed_count(needed, self.dp_group, self.ps.device)
+        plan = micro_batches.split(lengths, count, rl.micro_batch_tokens)
+        if sums is not None:
+            sums.max("train/micro_batches", count)
+            sums.min("train/micro_batches_needed_min", needed)
+            sums.add("idle_micro_batches", sum(mb.empty for mb in plan))
+        return plan
 
     @torch.no_grad()
-    def reference_logprobs(self, batch: Batch) -> torch.Tensor:
+    def reference_logprobs(self, batch: Batch, plan: list[MicroBatch]) -> torch.Tensor:
         out = torch.zeros_like(batch.sampling_logp_NT)
-        for mb in self.micro_batches(batch):
-            logp = sequence_logprobs(self.reference, batch, mb, self.rl.temperature)[0]
-            out[mb.rows, : mb.width - 1] = logp
+        for mb in plan:  # the agreed count: every rank runs as many reference forwards
+            logp = sequence_logprobs(self.reference, batch.rows(mb), self.rl.temperature)[0]
+            if not mb.empty:
+                out[mb.rows, : mb.width - 1] = logp
         return out
 
-    def update(self, batch: Batch, sums: DPSums) -> None:
+    def update(self, batch: Batch, plan: list[MicroBatch], sums: DPSums) -> None:
         """`rl.updates_per_step` optimizer steps on this rollout batch."""
-        weights_NT = self.loss_weights(batch)
-        old_logp_NT = torch.zeros_like(batch.sampling_logp_NT)
+        self.prepare_update(batch)
         grad_norms = []
-        for u in range(self.rl.updates_per_step):
-            self.backward(batch, weights_NT, old_logp_NT, first=u == 0, sums=sums)
+        for u in range(self.rl.updates_per_step):  # a config value: the same on every rank
+            self.backward(batch, plan, first=u == 0, sums=sums)
             grad_norms.append(self.optimizer_step())
         # The norm is global (the same on every rank), so max over ranks is that value.
         sums.max("train/grad_norm", sum(grad_norms) / len(grad_norms))
         sums.max("train/skipped_updates", float(sum(not math.isfinite(g) for g in grad_norms)))
+
+    def prepare_update(self, batch: Batch) -> None:
+        """Collective: the loss weights (from global counts) and room for the old log-probs."""
+        batch.weights_NT = self.loss_weights(batch)
+        batch.old_logp_NT = torch.zeros_like(batch.sampling_logp_NT)
 
     def loss_weights(self, batch: Batch) -> torch.Tensor:
         """Per-token weights from the counts of the whole batch over all dp ranks."""
@@ -368,48 +364,41 @@ class GRPOTrainer:
             batch.mask_NT, self.rl.loss_agg, global_tokens, global_responses, self.rl.max_new_tokens
         )
 
-    def backward(
-        self,
-        batch: Batch,
-        weights_NT: torch.Tensor,
-        old_logp_NT: torch.Tensor,
-        first: bool,
-        sums: DPSums,
-    ) -> None:
+    def backward(self, batch: Batch, plan: list[MicroBatch], first: bool, sums: DPSums) -> None:
         """Accumulate the gradient of the global loss over this rank's micro-batches.
 
-        On the first update the current log-probs are the old ones (same weights that
-        sampled): they are stored into `old_logp_NT`, and the ratio is exactly 1.
+        `plan` has the agreed count (`micro_batches`), so every rank runs the same number of
+        forward/backward passes; an empty micro-batch is a zero-weight padding row. On the
+        first update the current log-probs are the old ones (same weights that sampled): they
+        are stored into `batch.old_logp_NT`, and the ratio is exactly 1.
         """
         rl = self.rl
-        chunks = self.micro_batches(batch)
-        for k, mb in enumerate(chunks):
-            if (
-                self.ps.dp_replicate_size > 1
-            ):  # all-reduce across replicas once, after the last micro-batch
-                self.model.set_requires_all_reduce(k == len(chunks) - 1)
-            logp, entropy = sequence_logprobs(self.model, batch, mb, rl.temperature)
-            cols = slice(0, mb.width - 1)
+        for k, mb in enumerate(plan):
+            if self.ps.dp_replicate_size > 1:  # all-reduce across replicas once, after the last
+                self.model.set_requires_all_reduce(k == len(plan) - 1)
+            mbb = batch.rows(mb)
+            logp, entropy = sequence_logprobs(self.model, mbb, rl.temperature)
             if first:
-                old_logp_NT[mb.rows, cols] = logp.detach()
-            ref = None if batch.ref_logp_NT is None else batch.ref_logp_NT[mb.rows, cols]
+                mbb.old_logp_NT = logp.detach()
+                if not mb.empty:
+                    batch.old_logp_NT[mb.rows, : mb.width - 1] = mbb.old_logp_NT
             token_loss, stats = grpo_token_loss(
-                logp, old_logp_NT[mb.rows, cols], batch.advantages_N[mb.rows], rl.clip_low, rl.clip_high,
-                ref_logp=ref, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
+                logp, mbb.old_logp_NT, mbb.advantages_N, rl.clip_low, rl.clip_high,
+                ref_logp=mbb.ref_logp_NT, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
                 entropy=entropy if rl.entropy_coef > 0 else entropy.detach(), entropy_coef=rl.entropy_coef,
             )  # fmt: skip
-            loss = (token_loss * weights_NT[mb.rows, cols]).sum()
+            loss = (token_loss * mbb.weights_NT).sum()
             # FSDP averages gradients over the dp ranks; the weights already divide by global
             # counts, so scaling by dp makes the result the gradient of the global loss.
             (loss * self.ps.dp_size).backward()
-            mask = batch.mask_NT[mb.rows, cols]
-            sums.add("loss", loss)
+            mask = mbb.mask_NT
+            sums.add("loss", loss.detach())
             for name, per_token in stats.items():
                 sums.add(f"{name}_sum", (per_token * mask).sum())
                 if first:
                     sums.add(f"first_{name}_sum", (per_token * mask).sum())
             if first:
-                diff = (logp.detach() - batch.sampling_logp_NT[mb.rows, cols]).abs()
+                diff = (logp.detach() - mbb.sampling_logp_NT).abs()
                 sums.add("logprob_diff_sum", (diff * mask).sum())
 
     def optimizer_step(self) -> float:
@@ -418,7 +407,9 @@ class GRPOTrainer:
         max_norm = self.cfg.optim.max_grad_norm or math.inf
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if torch.isfinite(grad_norm):  # every rank sees the same norm, so all choose alike
+        # Skip or step, decided over all ranks: the norm is already global, but replicas that
+        # drifted apart could disagree on it, and one rank stepping alone would desynchronise.
+        if not any_rank(not torch.isfinite(grad_norm), self.ps.device):
             self.optimizer.step()
             self.bad_updates = 0
         else:
@@ -457,6 +448,9 @@ class GRPOTrainer:
             "train/lr": self.last_lr,
             "train/skipped_updates": r["train/skipped_updates"],
             "train/rollout_logprob_diff": r["logprob_diff_sum"] / tokens,
+            "train/micro_batches": r["train/micro_batches"],
+            "train/micro_batches_needed_min": r["train/micro_batches_needed_min"],
+            "train/idle_micro_batches": r["idle_micro_batches"],
         }
         out.update({k: v for k, v in r.items() if k.startswith("time/")})
         out.update(perf_metrics(r, self.model.config, self.ps.world_size, updates, self.peak_flops))

@@ -1,12 +1,18 @@
-"""Run under torchrun: the GRPO loss gradient for one fixed batch across (r, s) layouts.
+"""Run under torchrun: the GRPO loss gradient for one fixed batch across (r, s) layouts, with
+ranks that see deliberately different shapes.
 
-    torchrun --nproc-per-node 4 tests/dist/grpo_parity.py RUN_DIR OUT.json
+    torchrun --nproc-per-node 4 tests/dist/grpo_parity.py RUN_DIR OUT.json 1 2 4
 
 One global batch of responses (random prompts, responses, advantages, sampling and reference
-log-probs) is split over the dp ranks; each rank runs the trainer's own `backward` with
-micro-batches of 2 responses, and (r2s2) with micro-batches packed by a token budget of 20. For every layout and loss aggregation it records the largest
-difference, in units of assert_close's tolerance, between the full gradient and one
-single-process computation of the same loss over the whole batch (no FSDP, no split).
+log-probs) is split over the dp ranks unevenly: rank 0 holds only short rows, rank 1 only long
+ones, rank 2 a mix, rank 3 nothing at all, and ranks 4-7 (on 8 ranks) one to five mixed rows.
+So every rank plans a different number of micro-batches on its own, and the agreed count makes
+them run the same. Each rank runs the trainer's own reference pass and `backward`, with
+micro-batches of 2 responses and packed by a token budget of 24. For every replicate size
+given, aggregation and micro-batching it records the largest difference, in units of
+assert_close's tolerance, between the full gradient (and the reference log-probs) and one
+single-process computation of the same loss over the whole batch (no FSDP, no split), and
+the micro-batch count each rank would have needed alone.
 """
 
 import json
@@ -17,31 +23,47 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from launcher import schema
-from trainer.grpo import grpo_token_loss, loss_weights
+from trainer.grpo import grpo_token_loss, loss_weights, token_logprobs
 from trainer.metrics import DPSums
+from trainer.micro_batches import local_count
 from trainer.model import build_model, full_state_dict, hf_config
 from trainer.parallel import ParallelState
 from trainer.rollout import Rollout
-from trainer.grpo import token_logprobs
 from trainer.train import GRPOTrainer, collate
 
 RTOL, ATOL = 2e-5, 2e-6
-NUM_RESPONSES = 16
+MAX_NEW = 16
 
 
-def global_batch(vocab: int):
+def rows_per_rank(world: int, g: torch.Generator) -> list[list[tuple[int, int]]]:
+    """(prompt length, response length) of each rank's rows."""
+    rint = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=g))  # noqa: E731
+    shapes = [
+        [(rint(3, 4), rint(1, 2)) for _ in range(4)],  # all short
+        [(rint(5, 6), rint(12, MAX_NEW)) for _ in range(4)],  # all long
+        [(rint(3, 6), n) for n in (1, 16, 5, 9)],  # mixed
+        [],  # nothing to do
+    ]
+    shapes += [[(rint(3, 6), rint(1, MAX_NEW)) for _ in range(rint(1, 5))] for _ in range(world - 4)]
+    return shapes
+
+
+def global_batch(vocab: int, world: int):
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(0, vocab, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(NUM_RESPONSES)]
-    responses = [torch.randint(0, vocab, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()
-                 for _ in range(NUM_RESPONSES)]
+    shapes = rows_per_rank(world, g)
+    flat = [s for rank in shapes for s in rank]
+    prompts = [torch.randint(0, vocab, (p,), generator=g).tolist() for p, _ in flat]
+    responses = [torch.randint(0, vocab, (r,), generator=g).tolist() for _, r in flat]
     logps = [-torch.rand(len(r), generator=g) * 3 for r in responses]
-    rollout = Rollout(prompts, responses, logps, [False] * NUM_RESPONSES)
-    rewards = torch.rand(NUM_RESPONSES, generator=g)
-    advantages = torch.randn(NUM_RESPONSES, generator=g)
+    rollout = Rollout(prompts, responses, logps, [False] * len(flat))
+    rewards = torch.rand(len(flat), generator=g)
+    advantages = torch.randn(len(flat), generator=g)
     batch = collate(rollout, rewards, advantages, pad_id=0, device=torch.device("cpu"))
     batch.ref_logp_NT = -torch.rand(batch.sampling_logp_NT.shape, generator=g) * 3
-    return batch
+    offsets = [0]
+    for rank in shapes:
+        offsets.append(offsets[-1] + len(rank))
+    return batch, offsets
 
 
 def rows_of(batch, rows: slice):
@@ -49,7 +71,7 @@ def rows_of(batch, rows: slice):
     return type(batch)(**sliced)
 
 
-def reference_grads(cfg: schema.Config, batch, init) -> dict[str, torch.Tensor]:
+def reference_grads(cfg: schema.Config, batch, init):
     """The same loss, one process, whole batch, first update (old = current, detached)."""
     rl = cfg.rl
     model = AutoModelForCausalLM.from_config(hf_config(cfg.model), dtype=torch.float32)
@@ -59,14 +81,14 @@ def reference_grads(cfg: schema.Config, batch, init) -> dict[str, torch.Tensor]:
     logp, entropy = token_logprobs(logits[:, :-1], batch.input_ids_NL[:, 1:], rl.temperature)
     token_loss, _ = grpo_token_loss(logp, logp.detach(), batch.advantages_N, rl.clip_low, rl.clip_high,
                                     ref_logp=batch.ref_logp_NT, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
-                                    entropy=entropy, entropy_coef=rl.entropy_coef)
+                                    entropy=entropy, entropy_coef=rl.entropy_coef)  # fmt: skip
     w = loss_weights(batch.mask_NT, rl.loss_agg, batch.mask_NT.sum().item(), batch.size, rl.max_new_tokens)
     (token_loss * w).sum().backward()
-    return {n: p.grad for n, p in model.named_parameters()}
+    return {n: p.grad for n, p in model.named_parameters()}, (logp.detach() * batch.mask_NT)
 
 
 def ratio(a, b) -> float:
-    return ((a - b).abs() / (ATOL + RTOL * b.abs())).max().item()
+    return ((a - b).abs() / (ATOL + RTOL * b.abs())).max().item() if a.numel() else 0.0
 
 
 def config(run_dir: str, agg: str, world: int, micro_tokens: int = 0) -> schema.Config:
@@ -74,37 +96,50 @@ def config(run_dir: str, agg: str, world: int, micro_tokens: int = 0) -> schema.
         "parallel": {}, "data": {}, "logger": {"backend": "none"}, "run_dir": run_dir, "device": "cpu",
         "model": {"param_dtype": "fp32"},
         "rl": {"loss_agg": agg, "kl_coef": 0.05, "entropy_coef": 0.01, "micro_batch_responses": 2,
-               "micro_batch_tokens": micro_tokens, "max_new_tokens": 8, "prompts_per_step": world,
+               "micro_batch_tokens": micro_tokens, "max_new_tokens": MAX_NEW, "prompts_per_step": world,
                "samples_per_prompt": 2},
     })  # fmt: skip
 
 
-def main(run_dir: str, out_path: str) -> None:
+def main(run_dir: str, out_path: str, *replicates: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    results = {}
+    results, needs = {}, {}
     for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
         cfg = config(run_dir, agg, world)
         init = full_state_dict(cfg.model, hf_config(cfg.model), seed=0)
-        batch = global_batch(hf_config(cfg.model).vocab_size)
-        ref = reference_grads(cfg, batch, init)
-        per_rank = NUM_RESPONSES // world
-        local = rows_of(batch, slice(rank * per_rank, (rank + 1) * per_rank))
-        for r, micro_tokens in ((1, 0), (2, 0), (4, 0), (2, 20)):
-            run_cfg = config(run_dir, agg, world, micro_tokens)
-            ps = ParallelState.build(torch.device("cpu"), r)
-            model = build_model(run_cfg.model, ps.get_mesh("fsdp"), ps.device, seed=0)
-            trainer = GRPOTrainer(run_cfg, ps, model)
-            old = torch.zeros_like(local.sampling_logp_NT)
-            trainer.backward(local, trainer.loss_weights(local), old, first=True, sums=DPSums(ps.device))
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            key = f"{agg}/r{r}s{world // r}" + (f"/tokens{micro_tokens}" if micro_tokens else "")
-            results[key] = max(ratio(grads[n], ref[n]) for n in grads)
+        batch, offsets = global_batch(hf_config(cfg.model).vocab_size, world)
+        ref, ref_logp = reference_grads(cfg, batch, init)
+        rows = slice(offsets[rank], offsets[rank + 1])
+        local = rows_of(batch, rows)
+        for r in map(int, replicates):
+            for micro_tokens in (0, 24):
+                run_cfg = config(run_dir, agg, world, micro_tokens)
+                ps = ParallelState.build(torch.device("cpu"), r)
+                model = build_model(run_cfg.model, ps.get_mesh("fsdp"), ps.device, seed=0)
+                trainer = GRPOTrainer(run_cfg, ps, model)
+                sums = DPSums(ps.device)
+                plan = trainer.micro_batches(local, sums)
+                local.ref_logp_NT = rows_of(batch, rows).ref_logp_NT
+                own_ref = trainer.reference_logprobs(local, plan)  # the frozen copy: seed-0 init
+                trainer.prepare_update(local)
+                trainer.backward(local, plan, first=True, sums=sums)
+                grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+                key = f"{agg}/r{r}s{world // r}/" + (f"tokens{micro_tokens}" if micro_tokens else "responses2")
+                err_ref = torch.tensor(ratio(own_ref * local.mask_NT, ref_logp[rows]))
+                dist.all_reduce(err_ref, op=dist.ReduceOp.MAX)
+                results[key] = {"grad": max(ratio(grads[n], ref[n]) for n in grads),
+                                "ref_logp": err_ref.item(), "agreed": len(plan)}  # fmt: skip
+                mine = local_count(local.attention_mask_NL.sum(-1).tolist(), 2, micro_tokens)
+                counts = [None] * world
+                dist.all_gather_object(counts, mine)
+                needs[key] = counts
+                sums.reduce(trainer.dp_group)  # the same names on every rank, or this would hang
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"results": results, "needs": needs}, f, indent=1)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -221,6 +221,11 @@ class TrainerConfig:
     peak_tflops: float = 0.0
     # End each worker after one forward/backward check of the sharded model (no GRPO).
     smoke_test: bool = False
+    # Seconds a rank may spend in one phase (rollout, a micro-batch, a checkpoint, ...) before the
+    # run is stopped as stalled, naming each rank's step and phase, stacks in the rank logs
+    # (trainer/watchdog.py). The first step's compiles and a large checkpoint count; >= 30. The
+    # process-group timeout is this plus 60 s.
+    hang_timeout_s: float = 600.0
 
 
 @dataclass

@@ -10,11 +10,22 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+from launcher.run_folder import (
+    STALL_EXIT_CODE,
+    describe_stall,
+    heartbeat_dir,
+    rank_log,
+    read_heartbeats,
+    stop_file,
+)
 from launcher.schema import Config
 
 FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
@@ -57,17 +68,81 @@ def worker_env(cfg: Config) -> dict[str, str]:
     return env
 
 
-def describe_failure(output: str, run_dir: Path, code: int) -> str:
+def describe_failure(output: str, run_dir: Path, code: int, hang_timeout_s: float) -> str:
+    """What went wrong, first line first: a stall (every rank's step and phase), a worker's own
+    one-line error (trainer.errors.RunError), or the rank that failed first and its last lines."""
+    beats = read_heartbeats(run_dir)
+    if any(b.get("stalled") for b in beats.values()):
+        return "error: " + describe_stall(beats, hang_timeout_s)
     # torchrun lists every rank it stopped, then the one that failed first: read that one.
     match = FAILED_RANK.search(output[output.rfind("Root Cause") :])
     if not match:
         return f"error: the workers exited with code {code}; logs are in {run_dir / 'logs'}"
     rank, exitcode = int(match[1]), int(match[2])
+    log = rank_log(run_dir, rank)
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    if exitcode == 2 and (errors := [x for x in lines if x.startswith("error: ")]):
+        return errors[-1]  # trainer.errors.RunError: bad input found by the workers
     cause = f"killed by signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
-    log = run_dir / "logs" / f"rank_{rank}.log"
-    lines = log.read_text(errors="replace").splitlines()[-TAIL_LINES:] if log.exists() else []
-    tail = "\n".join(f"  | {line}" for line in lines)
+    tail = "\n".join(f"  | {line}" for line in lines[-TAIL_LINES:])
     return f"error: rank {rank} failed ({cause}); last lines of {log}:\n{tail}"
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process below it (torchrun's workers run in sessions of their own, so a
+    process group does not reach them; /proc does, on Linux)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo += children.get(out[-1], [])
+    return out
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class StallMonitor:
+    """Reads the heartbeats while the run goes on. When a rank's watchdog declares a stall, it
+    gives the other ranks a few seconds to declare theirs (their stacks go to their logs), asks
+    the rest for their stacks (SIGUSR1) and ends every process: torchrun alone would wait 30 s
+    on a rank that is stopped."""
+
+    poll_s, grace_s = 2.0, 5.0
+
+    def __init__(self, proc: subprocess.Popen, run_dir: Path):
+        self.proc, self.run_dir = proc, run_dir
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+        self.thread.start()
+
+    def watch(self) -> None:
+        first_seen = None
+        while not self.done.wait(self.poll_s):
+            beats = read_heartbeats(self.run_dir)
+            if not any(b.get("stalled") for b in beats.values()):
+                continue
+            first_seen = first_seen or time.time()
+            if time.time() - first_seen >= self.grace_s:
+                tree = process_tree(self.proc.pid)
+                signal_all([b["pid"] for b in beats.values() if b["pid"] in tree], signal.SIGUSR1)
+                time.sleep(1)
+                signal_all(tree, signal.SIGKILL)
+                return
+
+    def close(self) -> None:
+        self.done.set()
 
 
 class ConsoleStream:
@@ -110,11 +185,6 @@ class ConsoleStream:
             self.progress.stop()
 
 
-def stop_file(run_dir: Path) -> Path:
-    """Its existence asks the workers to checkpoint and stop at the next step boundary."""
-    return run_dir / "STOP"
-
-
 class GracefulStop:
     """SIGINT / SIGTERM to the launcher: the first asks for a checkpoint and a clean stop, a
     second stops the workers now. torchrun runs in its own session, so a Ctrl-C in the
@@ -126,10 +196,16 @@ class GracefulStop:
             sig: signal.signal(sig, self.handle) for sig in (signal.SIGINT, signal.SIGTERM)
         }
 
+    kill_after_s = 5.0  # a rank stuck in a collective never runs its SIGTERM handler
+
     def handle(self, signum: int, frame) -> None:
         if self.path.exists():
             print("\nsecond signal: stopping the workers now", file=sys.stderr, flush=True)
+            tree = process_tree(self.proc.pid)  # before torchrun exits and its workers lose it
             self.proc.send_signal(signal.SIGTERM)
+            timer = threading.Timer(self.kill_after_s, signal_all, (tree, signal.SIGKILL))
+            timer.daemon = True
+            timer.start()
             return
         self.path.touch()
         print(f"\n{signal.Signals(signum).name}: checkpointing at the end of this step, then stopping "
@@ -156,11 +232,13 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, s
     """Run torchrun to completion: (0, None), or its exit code and the failure, also printed."""
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     stop_file(run_dir).unlink(missing_ok=True)
+    shutil.rmtree(heartbeat_dir(run_dir), ignore_errors=True)  # an earlier run's are not this one's
     proc = subprocess.Popen(
         torchrun_command(cfg, config_path), env=worker_env(cfg), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True, preexec_fn=die_with_launcher,
     )  # fmt: skip
     stop = GracefulStop(proc, run_dir)
+    monitor = StallMonitor(proc, run_dir)
     kept: list[str] = []  # the failure summary is at the end
     console = ConsoleStream()
     try:
@@ -172,6 +250,7 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, s
     finally:
         console.close()
         code = proc.wait()
+        monitor.close()
         stopped = stop.restore()
     if code == 0:
         if stopped:
@@ -179,6 +258,10 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, s
                 f"stopped at a checkpoint; continue with trainer.resume=auto hydra.run.dir={run_dir}"
             )
         return 0, None
-    failure = describe_failure("".join(kept[-400:]), run_dir, code)
+    failure = describe_failure("".join(kept[-400:]), run_dir, code, cfg.trainer.hang_timeout_s)
     print(failure, file=sys.stderr)
+    if re.search(r"exitcode\s*:\s*2\b", "".join(kept[-400:])) and "\n" not in failure:
+        code = 2  # the workers' one-line error: bad input, exit code 2 as for the launcher's
+    elif failure.startswith("error: the run stalled"):
+        code = STALL_EXIT_CODE
     return code, failure.splitlines()[0].removeprefix("error: ")

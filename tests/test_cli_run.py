@@ -162,21 +162,94 @@ def test_a_launcher_killed_outright_takes_its_workers_with_it(tmp_path):
     deadline = time.time() + 240
     while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
         time.sleep(0.5)
-    pids = [
-        int(re.search(r"pid (\d+)", (run_dir / "logs" / f"rank_{r}.log").read_text())[1])
-        for r in range(4)
-    ]
+    pids = worker_pids(run_dir)
     proc.kill()
     proc.wait()
-
-    def alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-
     deadline = time.time() + 60
     while time.time() < deadline and any(alive(p) for p in pids):
         time.sleep(0.5)
     assert not any(alive(p) for p in pids)
+
+
+def worker_pids(run_dir, ranks=range(4)):
+    return [
+        int(re.search(r"pid (\d+)", (run_dir / "logs" / f"rank_{r}.log").read_text())[1])
+        for r in ranks
+    ]
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped; a zombie (dead, not yet reaped) is not alive."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def start_run(run_dir, *overrides):
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "launch.py"), "device=cpu", "trainer.max_steps=100000",
+         "logger=none", f"hydra.run.dir={run_dir}", *overrides],
+        cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.time() + 240
+    while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    return proc
+
+
+def test_a_stopped_rank_is_named_within_the_hang_timeout(tmp_path):
+    """SIGSTOP one rank: the others wait in a collective; after trainer.hang_timeout_s the run
+    ends (exit 124) naming the stopped rank and every rank's step and phase, stacks in the logs."""
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, "trainer.hang_timeout_s=30")
+    pids = worker_pids(run_dir)
+    try:
+        os.kill(pids[2], signal.SIGSTOP)
+        stopped = time.time()
+        stdout, stderr = proc.communicate(timeout=150)
+        took = time.time() - stopped
+    finally:
+        proc.kill()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 124, stderr[-3000:]
+    assert 30 <= took < 30 + 60, took
+    first, *lines = stderr[stderr.index("error: the run stalled") :].splitlines()
+    assert "rank(s) 2 stopped responding" in first, stderr[-3000:]
+    for rank in range(4):
+        assert any(line.startswith(f"  rank {rank}: step ") for line in lines), lines
+    assert "no heartbeat for" in next(x for x in lines if x.startswith("  rank 2:"))
+    assert json.loads((run_dir / "status.json").read_text())["exit_code"] == 124
+    log0 = (run_dir / "logs" / "rank_0.log").read_text()
+    assert "watchdog: rank 0 made no progress for" in log0
+    assert 'File "' in log0.split("watchdog: rank 0")[1]  # its Python stack follows
+    assert not any(alive(p) for p in pids)
+
+
+def test_a_second_signal_ends_a_hung_run_within_10_s(tmp_path):
+    """A rank stuck in a collective never runs its SIGTERM handler; the launcher kills them all."""
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir)
+    pids = worker_pids(run_dir)
+    try:
+        os.kill(pids[1], signal.SIGSTOP)  # the others hang in their next collective
+        time.sleep(3)
+        os.kill(proc.pid, signal.SIGINT)
+        time.sleep(1)
+        os.kill(proc.pid, signal.SIGINT)
+        second = time.time()
+        proc.communicate(timeout=60)
+        deadline = second + 10
+        while time.time() < deadline and any(alive(p) for p in pids):
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids), "workers outlived the second signal by 10 s"
+        assert time.time() - second < 10
+    finally:
+        proc.kill()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode != 0

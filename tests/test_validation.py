@@ -56,6 +56,7 @@ CASES = [
         ["rl.decode_attention=triton", "model.arch.head_dim", "not 24", "rl.decode_attention=sdpa"],
     ),
     (["trainer.max_steps=0"], 0, ["trainer.max_steps=0"]),
+    (["trainer.hang_timeout_s=5"], 0, ["trainer.hang_timeout_s=5", ">= 30"]),
     (["optim.lr=-1"], 0, ["optim.lr=-1"]),
     (
         ["data=gsm8k", "data.path=/no/such/train.parquet"],

@@ -18,8 +18,10 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from launcher import schema
+from trainer.errors import RunError
 from trainer.model import build_model
 from trainer.parallel import ParallelState
+from trainer.watchdog import Watchdog
 
 
 def redirect_output(log_path: Path, tee: bool) -> None:
@@ -57,14 +59,17 @@ def redirect_output(log_path: Path, tee: bool) -> None:
     atexit.register(drain)
 
 
-def init_distributed(device_type: str) -> torch.device:
+def init_distributed(device_type: str, hang_timeout_s: float) -> torch.device:
+    # the watchdog names a stall after hang_timeout_s; the process group's own timeout is the
+    # backstop, a minute later
+    timeout = datetime.timedelta(seconds=hang_timeout_s + 60)
     if device_type == "cuda":
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
         return device
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group("gloo", timeout=timeout)
     return torch.device("cpu")
 
 
@@ -88,12 +93,25 @@ def main(config_path: str) -> None:
     rank = int(os.environ["RANK"])
     redirect_output(Path(cfg.run_dir) / "logs" / f"rank_{rank}.log", tee=rank == 0)
     sys.stdout.reconfigure(line_buffering=True)
+    watchdog = Watchdog(cfg.run_dir, rank, cfg.trainer.hang_timeout_s)
+    try:
+        run(cfg, rank, watchdog)
+    except RunError as e:  # raised alike on every rank: one line, exit code 2
+        print(f"error: {e}", flush=True)
+        watchdog.close()
+        sys.exit(2)
+    watchdog.close()
+
+
+def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
     torch.manual_seed(cfg.trainer.seed)
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True)
-    device = init_distributed(cfg.device)
+    watchdog.phase(0, "process group")
+    device = init_distributed(cfg.device, cfg.trainer.hang_timeout_s)
     ps = ParallelState.build(device, cfg.parallel.dp_replicate_size, cfg.parallel.cp_size)
     print(f"{ps.describe()}, pid {os.getpid()}", flush=True)
+    watchdog.phase(0, "build model")
     model = build_model(cfg.model, ps.get_mesh("fsdp"), device, seed=cfg.trainer.seed)
     if cfg.trainer.smoke_test:
         loss = smoke_test(model, ps, model.config.vocab_size)
@@ -101,7 +119,7 @@ def main(config_path: str) -> None:
     else:
         from trainer.train import GRPOTrainer
 
-        GRPOTrainer(cfg, ps, model).train()
+        GRPOTrainer(cfg, ps, model, watchdog).train()
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from launcher.run_folder import stop_file
 from launcher.schema import Config, OptimConfig
 from trainer import checkpoint, micro_batches
 from trainer.data import PromptSampler, load_prompts
@@ -33,6 +34,7 @@ from trainer.parallel import ParallelState, any_rank
 from trainer.perf import peak_flops, peak_memory_gb, perf_metrics
 from trainer.rewards import score
 from trainer.rollout import HFRolloutEngine, Rollout, RolloutEngine, SamplingParams
+from trainer.watchdog import NoWatchdog
 
 
 @dataclass
@@ -155,8 +157,10 @@ def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: Config, ps: ParallelState, model: nn.Module):
+    def __init__(self, cfg: Config, ps: ParallelState, model: nn.Module, watchdog=None):
         self.cfg, self.ps, self.model = cfg, ps, model
+        self.watchdog = watchdog or NoWatchdog()
+        self.current_step, self.update_name = 0, "update 1/1"
         self.rl, device = cfg.rl, ps.device
         self.tokenizer = load_tokenizer(cfg.model)
         self.prompts = load_prompts(cfg.data, self.tokenizer, cfg.trainer.seed)
@@ -200,6 +204,9 @@ class GRPOTrainer:
     def on_sigterm(self, signum, frame) -> None:
         self.sigterm = True  # checkpoint and stop at the end of this step
 
+    def phase(self, name: str) -> None:
+        self.watchdog.phase(self.current_step, name)
+
     def sync(self) -> None:
         if self.ps.device.type == "cuda":
             torch.cuda.synchronize()
@@ -208,12 +215,14 @@ class GRPOTrainer:
         t = self.cfg.trainer
         for step in range(self.resume() + 1, t.max_steps + 1):
             self.metrics.log(self.step(step))
+            self.phase("stop decision")
             stop = self.stop_requested()
             if (
                 stop
                 or (step == t.max_steps and t.save_final)
                 or (t.save_every and step % t.save_every == 0)
             ):
+                self.phase("checkpoint")
                 path = checkpoint.save(
                     self.model,
                     self.optimizer,
@@ -229,6 +238,7 @@ class GRPOTrainer:
                 break
         else:
             if t.export_hf:
+                self.phase("export")
                 out = checkpoint.export_hf(
                     self.model, self.tokenizer, Path(self.cfg.run_dir) / "hf"
                 )
@@ -238,7 +248,9 @@ class GRPOTrainer:
     def step(self, step: int) -> dict[str, float]:
         """One GRPO step; returns its metrics, reduced over the dp ranks."""
         sums = DPSums(self.ps.device)
+        self.current_step = step
         t0 = time.perf_counter()
+        self.phase("rollout")
         batch = self.rollout(step, sums)
         self.sync()
         t1 = time.perf_counter()
@@ -250,6 +262,7 @@ class GRPOTrainer:
         self.update(batch, plan, sums)
         self.sync()
         t3 = time.perf_counter()
+        self.phase("weight refresh")
         self.engine.load_weights(self.model)
         self.sync()
         t4 = time.perf_counter()
@@ -263,12 +276,14 @@ class GRPOTrainer:
         }
         for name, seconds in times.items():
             sums.max(f"time/{name}_s", seconds)
+        self.phase("metrics")
         return self.summarize(step, sums.reduce(self.dp_group))
 
     def resume(self) -> int:
         """Load `trainer.resume` (resolved to a checkpoint folder by the launcher); the step it ends."""
         if self.cfg.trainer.resume == "none":
             return 0
+        self.phase("resume")
         step = checkpoint.load(self.model, self.optimizer, self.scheduler, self.cfg.trainer.resume)
         self.engine.load_weights(self.model)
         self.metrics.truncate(step)
@@ -278,9 +293,7 @@ class GRPOTrainer:
 
     def stop_requested(self) -> bool:
         """A stop asked of the launcher (its STOP file) or of any worker (SIGTERM), agreed by all ranks."""
-        asked = self.sigterm or (
-            self.ps.local_rank == 0 and (Path(self.cfg.run_dir) / "STOP").exists()
-        )
+        asked = self.sigterm or (self.ps.local_rank == 0 and stop_file(self.cfg.run_dir).exists())
         return any_rank(asked, self.ps.device)  # stop (and save) together or not at all
 
     def layout(self) -> dict[str, int]:
@@ -331,7 +344,8 @@ class GRPOTrainer:
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch, plan: list[MicroBatch]) -> torch.Tensor:
         out = torch.zeros_like(batch.sampling_logp_NT)
-        for mb in plan:  # the agreed count: every rank runs as many reference forwards
+        for k, mb in enumerate(plan):  # the agreed count: every rank runs as many forwards
+            self.phase(f"reference, micro-batch {k + 1}/{len(plan)}")
             logp = sequence_logprobs(self.reference, batch.rows(mb), self.rl.temperature)[0]
             if not mb.empty:
                 out[mb.rows, : mb.width - 1] = logp
@@ -342,7 +356,9 @@ class GRPOTrainer:
         self.prepare_update(batch)
         grad_norms = []
         for u in range(self.rl.updates_per_step):  # a config value: the same on every rank
+            self.update_name = f"update {u + 1}/{self.rl.updates_per_step}"
             self.backward(batch, plan, first=u == 0, sums=sums)
+            self.phase(f"{self.update_name}, optimizer step")
             grad_norms.append(self.optimizer_step())
         # The norm is global (the same on every rank), so max over ranks is that value.
         sums.max("train/grad_norm", sum(grad_norms) / len(grad_norms))
@@ -374,6 +390,7 @@ class GRPOTrainer:
         """
         rl = self.rl
         for k, mb in enumerate(plan):
+            self.phase(f"{self.update_name}, micro-batch {k + 1}/{len(plan)}")
             if self.ps.dp_replicate_size > 1:  # all-reduce across replicas once, after the last
                 self.model.set_requires_all_reduce(k == len(plan) - 1)
             mbb = batch.rows(mb)

@@ -15,7 +15,12 @@ import os
 import time
 from pathlib import Path
 
-STALL_EXIT_CODE = 124  # a worker whose watchdog found no progress for trainer.hang_timeout_s
+# How a worker ends, and what the launcher makes of it: after printing one `error: ...` line,
+# 2 (bad input found inside the workers) or 3 (the run went wrong: replicas drifted apart);
+# 124 when its watchdog found no progress for trainer.hang_timeout_s.
+BAD_INPUT_EXIT_CODE, RUN_FAULT_EXIT_CODE = 2, 3
+RUN_ERROR_EXIT_CODES = (BAD_INPUT_EXIT_CODE, RUN_FAULT_EXIT_CODE)
+STALL_EXIT_CODE = 124
 
 
 def stop_file(run_dir: str | Path) -> Path:

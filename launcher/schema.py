@@ -226,6 +226,10 @@ class TrainerConfig:
     # (trainer/watchdog.py). The first step's compiles and a large checkpoint count; >= 30. The
     # process-group timeout is this plus 60 s.
     hang_timeout_s: float = 600.0
+    # Every N steps, check that the replica groups of an HSDP layout hold identical parameter
+    # shards (a fingerprint per shard, compared across replicas); a difference stops the run
+    # naming the first differing parameter. 0: never. Logged as train/replica_max_diff.
+    check_replicas_every: int = 50
 
 
 @dataclass

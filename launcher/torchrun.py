@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from launcher.run_folder import (
+    RUN_ERROR_EXIT_CODES,
     STALL_EXIT_CODE,
     describe_stall,
     heartbeat_dir,
@@ -68,24 +69,29 @@ def worker_env(cfg: Config) -> dict[str, str]:
     return env
 
 
-def describe_failure(output: str, run_dir: Path, code: int, hang_timeout_s: float) -> str:
-    """What went wrong, first line first: a stall (every rank's step and phase), a worker's own
-    one-line error (trainer.errors.RunError), or the rank that failed first and its last lines."""
+def describe_failure(
+    output: str, run_dir: Path, code: int, hang_timeout_s: float
+) -> tuple[str, int]:
+    """What went wrong, first line first, and the launcher's exit code: a stall (every rank's step
+    and phase), a worker's own one-line error (trainer.errors.RunError, its exit code), or the
+    rank that failed first and its last lines."""
     beats = read_heartbeats(run_dir)
     if any(b.get("stalled") for b in beats.values()):
-        return "error: " + describe_stall(beats, hang_timeout_s)
+        return "error: " + describe_stall(beats, hang_timeout_s), STALL_EXIT_CODE
     # torchrun lists every rank it stopped, then the one that failed first: read that one.
     match = FAILED_RANK.search(output[output.rfind("Root Cause") :])
     if not match:
-        return f"error: the workers exited with code {code}; logs are in {run_dir / 'logs'}"
+        return f"error: the workers exited with code {code}; logs are in {run_dir / 'logs'}", code
     rank, exitcode = int(match[1]), int(match[2])
     log = rank_log(run_dir, rank)
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
-    if exitcode == 2 and (errors := [x for x in lines if x.startswith("error: ")]):
-        return errors[-1]  # trainer.errors.RunError: bad input found by the workers
+    if exitcode in RUN_ERROR_EXIT_CODES and (
+        errors := [x for x in lines if x.startswith("error: ")]
+    ):
+        return errors[-1], exitcode
     cause = f"killed by signal {-exitcode}" if exitcode < 0 else f"exit code {exitcode}"
     tail = "\n".join(f"  | {line}" for line in lines[-TAIL_LINES:])
-    return f"error: rank {rank} failed ({cause}); last lines of {log}:\n{tail}"
+    return f"error: rank {rank} failed ({cause}); last lines of {log}:\n{tail}", code
 
 
 def process_tree(pid: int) -> list[int]:
@@ -258,10 +264,8 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, s
                 f"stopped at a checkpoint; continue with trainer.resume=auto hydra.run.dir={run_dir}"
             )
         return 0, None
-    failure = describe_failure("".join(kept[-400:]), run_dir, code, cfg.trainer.hang_timeout_s)
+    failure, code = describe_failure(
+        "".join(kept[-400:]), run_dir, code, cfg.trainer.hang_timeout_s
+    )
     print(failure, file=sys.stderr)
-    if re.search(r"exitcode\s*:\s*2\b", "".join(kept[-400:])) and "\n" not in failure:
-        code = 2  # the workers' one-line error: bad input, exit code 2 as for the launcher's
-    elif failure.startswith("error: the run stalled"):
-        code = STALL_EXIT_CODE
     return code, failure.splitlines()[0].removeprefix("error: ")

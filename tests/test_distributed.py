@@ -85,3 +85,14 @@ def test_pretrained_loads_shards_and_gathers_back(tiny_pretrained, tmp_path):
             "tied": True,
             "engine_equal": True,
         }, layout
+
+
+def test_replica_drift_is_caught_on_every_rank_naming_the_parameter(tmp_path):
+    out = tmp_path / "replicas.json"
+    torchrun("replicas.py", 4, str(tmp_path), str(out))
+    r = json.loads(out.read_text())
+    assert r["diffs"] == [0.0, 0.0] and all(g > 0 for g in r["grad_norms"])  # trained, identical
+    for message, code in r["errors"]:  # every rank stops, with the same line
+        assert code == 3
+        assert message.startswith("replicas drifted apart at step 3: parameter "
+                                  "model.layers.1.mlp.up_proj.weight differs")  # fmt: skip

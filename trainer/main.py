@@ -96,10 +96,10 @@ def main(config_path: str) -> None:
     watchdog = Watchdog(cfg.run_dir, rank, cfg.trainer.hang_timeout_s)
     try:
         run(cfg, rank, watchdog)
-    except RunError as e:  # raised alike on every rank: one line, exit code 2
+    except RunError as e:  # raised alike on every rank: one line and its exit code
         print(f"error: {e}", flush=True)
         watchdog.close()
-        sys.exit(2)
+        sys.exit(e.exit_code)
     watchdog.close()
 
 

@@ -32,6 +32,7 @@ from trainer.micro_batches import MicroBatch
 from trainer.model import build_model, compute_dtype, load_tokenizer
 from trainer.parallel import ParallelState, any_rank
 from trainer.perf import peak_flops, peak_memory_gb, perf_metrics
+from trainer.replicas import check_replicas
 from trainer.rewards import score
 from trainer.rollout import HFRolloutEngine, Rollout, RolloutEngine, SamplingParams
 from trainer.watchdog import NoWatchdog
@@ -262,6 +263,14 @@ class GRPOTrainer:
         self.update(batch, plan, sums)
         self.sync()
         t3 = time.perf_counter()
+        every = self.cfg.trainer.check_replicas_every
+        if every and self.ps.dp_replicate_size > 1 and step % every == 0:  # same step on all ranks
+            self.phase("replica check")
+            replicate_group = self.ps.get_mesh("fsdp").get_group("dp_replicate")
+            sums.max(
+                "train/replica_max_diff",
+                check_replicas(self.model, replicate_group, self.ps.device, step),
+            )
         self.phase("weight refresh")
         self.engine.load_weights(self.model)
         self.sync()
@@ -470,5 +479,7 @@ class GRPOTrainer:
             "train/idle_micro_batches": r["idle_micro_batches"],
         }
         out.update({k: v for k, v in r.items() if k.startswith("time/")})
+        if "train/replica_max_diff" in r:  # on the steps it is checked
+            out["train/replica_max_diff"] = r["train/replica_max_diff"]
         out.update(perf_metrics(r, self.model.config, self.ps.world_size, updates, self.peak_flops))
         return out

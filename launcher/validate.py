@@ -84,6 +84,24 @@ def local_model_dir(path: str | None) -> Path | None:
     return None
 
 
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or datasets' own HF_DATASETS_OFFLINE) is set: nothing may be downloaded."""
+    return any(
+        os.environ.get(k, "0").lower() not in ("0", "", "false", "no", "off")
+        for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+    )
+
+
+def dataset_cached(hub_id: str) -> bool:
+    """A hub dataset is on this machine: in the hub's file cache or datasets' Arrow cache."""
+    from huggingface_hub import constants
+
+    org, name = hub_id.split("/")
+    hub = Path(constants.HF_HUB_CACHE) / f"datasets--{org}--{name}" / "snapshots"
+    arrow = Path(os.environ.get("HF_DATASETS_CACHE", Path(constants.HF_HOME) / "datasets"))
+    return (hub.is_dir() and any(hub.iterdir())) or (arrow / f"{org}___{name}").is_dir()
+
+
 def validate_parallel(cfg: Config, visible_gpus: int, check_gpu_count: bool = True) -> None:
     p = cfg.parallel
     at_least("parallel.dp_replicate_size", p.dp_replicate_size, 1)
@@ -145,7 +163,7 @@ def validate_model(cfg: Config) -> None:
                 "point it at a folder saved with save_pretrained, or use model.init=random",
             )
             check(
-                os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"),
+                not hub_offline(),
                 f"model.path={m.path!r} is not a local folder nor in the Hugging Face cache, and "
                 "HF_HUB_OFFLINE is set; download it and set model.path=/local/folder",
             )
@@ -172,13 +190,25 @@ def validate_data(cfg: Config) -> None:
 
     d = cfg.data
     one_of("data.name", d.name, DATASETS)
+    check(
+        d.name != "synthetic" or not d.path,
+        f"data.path={d.path!r} is ignored by data=synthetic (the shipped task makes its own "
+        f"prompts); for your file use data=gsm8k data.path={d.path}, or drop data.path",
+    )
     if d.name == "gsm8k":
         check(
             bool(d.path),
             "data=gsm8k needs data.path (a hub id such as openai/gsm8k or a local file)",
         )
         local = Path(d.path).expanduser()
-        if not is_hub_id(d.path):
+        if is_hub_id(d.path):
+            check(
+                not hub_offline() or dataset_cached(d.path),
+                f"data.path={d.path!r} is a hub dataset that is not in the Hugging Face cache, and "
+                "HF_HUB_OFFLINE is set; download it where the hub is reachable (load it once with "
+                "datasets), or point data.path at a local .parquet/.jsonl file",
+            )
+        else:
             check(
                 local.exists(),
                 f"data.path={d.path!r} does not exist; give a .parquet/.jsonl file or a hub id",

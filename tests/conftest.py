@@ -35,12 +35,14 @@ def env() -> dict[str, str]:
     return e
 
 
-def launch(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def launch(
+    *overrides: str, timeout: float = 300, extra_env: dict | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
     """`python launch.py OVERRIDES` as a user types it."""
     return subprocess.run(
         [sys.executable, str(REPO / "launch.py"), *overrides],
-        cwd=REPO,
-        env=env(),
+        cwd=cwd,
+        env={**env(), **(extra_env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -64,6 +64,11 @@ CASES = [
         ["data.path='/no/such/train.parquet'", "does not exist"],
     ),
     (
+        ["data.path=/data/train.parquet"],
+        0,
+        ["data.path='/data/train.parquet' is ignored by data=synthetic", "data=gsm8k data.path="],
+    ),
+    (
         ["+data.rewards.not_a_reward=1.0"],
         0,
         ["data.rewards.not_a_reward", "digit_echo", "math_answer"],
@@ -168,3 +173,32 @@ def test_triton_attention_on_a_gpu_without_triton_says_how_to_fix(monkeypatch):
     with pytest.raises(ConfigError, match="Triton is not installed.*rl.decode_attention=sdpa"):
         validate(cfg, visible_gpus=1)
     validate(compose_config("device=cpu", "rl.decode_attention=triton"), visible_gpus=0)  # unused
+
+
+def test_an_uncached_hub_dataset_offline_is_one_line_before_start(tmp_path):
+    run_dir = tmp_path / "run"
+    offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    out = launch("device=cpu", "data=gsm8k", f"hydra.run.dir={run_dir}", extra_env=offline)
+    assert out.returncode == 2 and not run_dir.exists()
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(
+        "error: data.path='openai/gsm8k' is a hub dataset that is not in the Hugging Face cache"
+    )
+    snapshot = tmp_path / "hf" / "hub" / "datasets--openai--gsm8k" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)  # what a download leaves: now it passes the check
+    out = launch("device=cpu", "data=gsm8k", "dry_run=true", extra_env=offline)
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_prompt_too_long_for_the_model_stops_before_the_model_loads(tmp_path):
+    """Found in the workers (it needs the tokenizer), before any weights: one line, exit 2."""
+    run_dir = tmp_path / "run"
+    out = launch("device=cpu", "logger=none", "model.arch.max_position_embeddings=16",
+                 "rl.max_new_tokens=12", f"hydra.run.dir={run_dir}")  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: rl.max_new_tokens=12: the longest prompt (#0, 5 tokens) plus rl.max_new_tokens is "
+        "17 positions, beyond the model's max_position_embeddings=16; lower rl.max_new_tokens to "
+        "at most 11 or shorten the prompts"
+    )
+    assert not (run_dir / "metrics.jsonl").exists()
+    assert "build model" not in (run_dir / "logs" / "heartbeats" / "rank_0.json").read_text()

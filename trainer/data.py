@@ -14,8 +14,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from launcher.schema import DataConfig
+from launcher.schema import Config, DataConfig
 from launcher.validate import is_hub_id
+from trainer.errors import RunError
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,45 @@ def dataset_prompts(d: DataConfig, tokenizer) -> list[Prompt]:
 
 def load_prompts(d: DataConfig, tokenizer, seed: int) -> list[Prompt]:
     return synthetic_prompts(d, seed) if d.name == "synthetic" else dataset_prompts(d, tokenizer)
+
+
+@dataclass
+class Task:
+    """The tokenizer, the prompts and their token ids (tokenized once, not every step)."""
+
+    tokenizer: object
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+
+
+def load_task(cfg: Config, local_rank: int, max_positions: int) -> Task:
+    """Collective: tokenizer and prompts on every rank, checked against the model's context.
+
+    A hub dataset is downloaded once per node: local rank 0 first, the others wait at a barrier
+    and then read the cache it filled. Every rank holds every prompt (they are small); each step
+    takes its own share (`PromptSampler`)."""
+    import torch.distributed as dist
+
+    from trainer.model import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    download = cfg.data.name != "synthetic" and is_hub_id(cfg.data.path)
+    if download and local_rank != 0:
+        dist.barrier()
+    prompts = load_prompts(cfg.data, tokenizer, cfg.trainer.seed)
+    if download and local_rank == 0:
+        dist.barrier()
+    ids = tokenizer([p.text for p in prompts], add_special_tokens=False).input_ids
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    need = len(ids[longest]) + cfg.rl.max_new_tokens
+    if need > max_positions:  # the same prompts on every rank: every rank raises alike
+        raise RunError(
+            f"rl.max_new_tokens={cfg.rl.max_new_tokens}: the longest prompt (#{longest}, "
+            f"{len(ids[longest])} tokens) plus rl.max_new_tokens is {need} positions, beyond the "
+            f"model's max_position_embeddings={max_positions}; lower rl.max_new_tokens to at most "
+            f"{max_positions - len(ids[longest])} or shorten the prompts"
+        )
+    return Task(tokenizer, prompts, ids)
 
 
 class PromptSampler:

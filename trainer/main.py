@@ -18,8 +18,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from launcher import schema
+from trainer.data import load_task
 from trainer.errors import RunError
-from trainer.model import build_model
+from trainer.model import build_model, hf_config
 from trainer.parallel import ParallelState
 from trainer.watchdog import Watchdog
 
@@ -111,6 +112,10 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
     device = init_distributed(cfg.device, cfg.trainer.hang_timeout_s)
     ps = ParallelState.build(device, cfg.parallel.dp_replicate_size, cfg.parallel.cp_size)
     print(f"{ps.describe()}, pid {os.getpid()}", flush=True)
+    task = None
+    if not cfg.trainer.smoke_test:  # data first: a prompt too long for the model stops us here
+        watchdog.phase(0, "load data")
+        task = load_task(cfg, ps.local_rank, hf_config(cfg.model).max_position_embeddings)
     watchdog.phase(0, "build model")
     model = build_model(cfg.model, ps.get_mesh("fsdp"), device, seed=cfg.trainer.seed)
     if cfg.trainer.smoke_test:
@@ -119,7 +124,7 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
     else:
         from trainer.train import GRPOTrainer
 
-        GRPOTrainer(cfg, ps, model, watchdog).train()
+        GRPOTrainer(cfg, ps, model, watchdog, task).train()
     dist.destroy_process_group()
 
 

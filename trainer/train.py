@@ -24,12 +24,12 @@ from torch import nn
 from launcher.run_folder import stop_file
 from launcher.schema import Config, OptimConfig
 from trainer import checkpoint, micro_batches
-from trainer.data import PromptSampler, load_prompts
+from trainer.data import PromptSampler, Task, load_task
 from trainer.engine import StaticCacheEngine
 from trainer.grpo import group_advantages, grpo_token_loss, loss_weights, token_logprobs
 from trainer.metrics import DPSums, MetricsLogger
 from trainer.micro_batches import MicroBatch
-from trainer.model import build_model, compute_dtype, load_tokenizer
+from trainer.model import build_model, compute_dtype
 from trainer.parallel import ParallelState, any_rank
 from trainer.perf import peak_flops, peak_memory_gb, perf_metrics
 from trainer.replicas import check_replicas
@@ -158,13 +158,18 @@ def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: Config, ps: ParallelState, model: nn.Module, watchdog=None):
+    def __init__(self, cfg: Config, ps: ParallelState, model: nn.Module, watchdog=None,
+                 task: Task | None = None):  # fmt: skip
         self.cfg, self.ps, self.model = cfg, ps, model
         self.watchdog = watchdog or NoWatchdog()
         self.current_step, self.update_name = 0, "update 1/1"
         self.rl, device = cfg.rl, ps.device
-        self.tokenizer = load_tokenizer(cfg.model)
-        self.prompts = load_prompts(cfg.data, self.tokenizer, cfg.trainer.seed)
+        task = task or load_task(cfg, ps.local_rank, model.config.max_position_embeddings)
+        self.tokenizer, self.prompts, self.prompt_ids = (
+            task.tokenizer,
+            task.prompts,
+            task.prompt_ids,
+        )
         self.sampler = PromptSampler(
             len(self.prompts), self.rl.prompts_per_step, ps.dp_rank, ps.dp_size, cfg.trainer.seed
         )
@@ -311,8 +316,9 @@ class GRPOTrainer:
 
     def rollout(self, step: int, sums: DPSums) -> Batch:
         g = self.rl.samples_per_prompt
-        prompts = [self.prompts[i] for i in self.sampler.indices(step - 1)]
-        prompt_ids = [self.tokenizer(p.text, add_special_tokens=False).input_ids for p in prompts]
+        indices = self.sampler.indices(step - 1)
+        prompts = [self.prompts[i] for i in indices]
+        prompt_ids = [self.prompt_ids[i] for i in indices]
         # Sampling randomness is a function of (seed, step, dp rank) alone.
         torch.manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.ps.dp_rank)
         rollout = self.engine.generate(prompt_ids, g, self.sampling)

@@ -201,7 +201,7 @@ def validate_data(cfg: Config) -> None:
             "data=gsm8k needs data.path (a hub id such as openai/gsm8k or a local file)",
         )
         local = Path(d.path).expanduser()
-        if is_hub_id(d.path):
+        if is_hub_id(d.path) and not cfg.dry_run:  # a plan needs no data
             check(
                 not hub_offline() or dataset_cached(d.path),
                 f"data.path={d.path!r} is a hub dataset that is not in the Hugging Face cache, and "

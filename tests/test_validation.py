@@ -90,7 +90,9 @@ def test_rule_message(overrides, gpus, words):
         assert w in message, message
 
 
-def test_defaults_are_valid():
+def test_defaults_are_valid(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # gsm8k's default is a hub id
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     validate(compose_config(), visible_gpus=0)
     validate(compose_config("model=qwen3_4b", "model.init=random", "data=gsm8k"), visible_gpus=4)
 
@@ -175,7 +177,7 @@ def test_triton_attention_on_a_gpu_without_triton_says_how_to_fix(monkeypatch):
     validate(compose_config("device=cpu", "rl.decode_attention=triton"), visible_gpus=0)  # unused
 
 
-def test_an_uncached_hub_dataset_offline_is_one_line_before_start(tmp_path):
+def test_an_uncached_hub_dataset_offline_is_one_line_before_start(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     offline = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     out = launch("device=cpu", "data=gsm8k", f"hydra.run.dir={run_dir}", extra_env=offline)
@@ -183,10 +185,15 @@ def test_an_uncached_hub_dataset_offline_is_one_line_before_start(tmp_path):
     assert out.stderr.count("\n") == 1 and out.stderr.startswith(
         "error: data.path='openai/gsm8k' is a hub dataset that is not in the Hugging Face cache"
     )
-    snapshot = tmp_path / "hf" / "hub" / "datasets--openai--gsm8k" / "snapshots" / "abc"
-    snapshot.mkdir(parents=True)  # what a download leaves: now it passes the check
-    out = launch("device=cpu", "data=gsm8k", "dry_run=true", extra_env=offline)
-    assert out.returncode == 0, out.stderr
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    cfg = compose_config("device=cpu", "data=gsm8k")
+    with pytest.raises(ConfigError, match="not in the Hugging Face cache"):
+        validate(cfg, visible_gpus=0)
+    (tmp_path / "hub" / "datasets--openai--gsm8k" / "snapshots" / "abc").mkdir(parents=True)
+    validate(cfg, visible_gpus=0)  # what a download leaves behind: now it passes
 
 
 def test_a_prompt_too_long_for_the_model_stops_before_the_model_loads(tmp_path):

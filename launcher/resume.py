@@ -20,9 +20,9 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from launcher.run_folder import CheckpointError, candidates, find_resumable, verify
 from launcher.schema import Config
 from launcher.validate import ConfigError
-from trainer.checkpoint import CheckpointError, candidates, find_resumable, verify
 
 SAME_JOB_KEYS = ("model", "data", "rl", "optim")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -99,3 +100,82 @@ def describe_stall(beats: dict[int, dict], hang_timeout_s: float, now: float | N
         head = "the run stalled and no rank wrote a heartbeat"
     tail = f"  (trainer.hang_timeout_s={hang_timeout_s:g}; raise it if a phase legitimately takes longer)"
     return "\n".join([head, *lines, tail])
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+META = "meta.json"
+LATEST = "latest"
+STEP_DIR = re.compile(r"^step_\d{6}$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message says which and why."""
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def file_sizes(folder: Path) -> dict[str, int]:
+    return {
+        p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != META
+    }
+
+
+def verify(folder: Path) -> dict:
+    """The checkpoint's meta.json if every file it lists is there at its recorded size."""
+    meta_path = folder / META
+    if not meta_path.is_file():
+        raise CheckpointError(f"{folder} is incomplete: no {META} (the save did not finish)")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{folder}/{META} is corrupt: {e}") from None
+    actual = file_sizes(folder)
+    for name, size in meta["files"].items():
+        if name not in actual:
+            raise CheckpointError(f"{folder} is incomplete: {name} is missing")
+        if actual[name] != size:
+            raise CheckpointError(
+                f"{folder} is corrupt: {name} has {actual[name]} bytes, {size} were written"
+            )
+    return meta
+
+
+def candidates(run_dir: str | Path) -> list[Path]:
+    """Committed checkpoints of a run, newest first (`latest` first when it names one)."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = sorted(
+        (p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)), reverse=True
+    )
+    latest = root / LATEST
+    if latest.is_file() and (root / latest.read_text().strip()).is_dir():
+        first = root / latest.read_text().strip()
+        found = [first, *(p for p in found if p != first)]
+    return found
+
+
+def find_resumable(run_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies, and a warning for each newer one that did not.
+
+    Raises if checkpoints exist but none is usable: a run never silently starts over."""
+    warnings, found = [], candidates(run_dir)
+    for folder in found:
+        try:
+            verify(folder)
+            return folder, warnings
+        except CheckpointError as e:
+            warnings.append(f"{e}; trying an older checkpoint")
+    if found:
+        raise CheckpointError(
+            f"no usable checkpoint in {checkpoint_dir(run_dir)} ({'; '.join(warnings)}); "
+            "fix or remove them, or start a new run with trainer.resume=none"
+        )
+    return None, warnings

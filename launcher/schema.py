@@ -215,6 +215,9 @@ class TrainerConfig:
     save_final: bool = True
     # Write the final weights in Hugging Face format (safetensors, config, tokenizer) to RUN_DIR/hf.
     export_hf: bool = True
+    # Dtype of the exported weights: `auto` (the pretrained checkpoint's own dtype, else the
+    # compute dtype: bf16 on GPUs, fp32 on CPU) | `bf16` | `fp32`.
+    export_dtype: str = "auto"
     # Stop after this many updates in a row with a non-finite loss or gradient norm (each is skipped).
     max_bad_updates: int = 3
     # Peak TFLOP/s per GPU for perf/mfu; 0: the dense bf16 datasheet value of known GPUs.

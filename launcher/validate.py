@@ -290,6 +290,7 @@ def validate_rl(cfg: Config) -> None:
     at_least("trainer.keep_last", t.keep_last, 0)
     at_least("trainer.max_bad_updates", t.max_bad_updates, 1)
     at_least("trainer.hang_timeout_s", t.hang_timeout_s, 30)
+    one_of("trainer.export_dtype", t.export_dtype, PARAM_DTYPES)
     at_least("trainer.check_replicas_every", t.check_replicas_every, 0)
 
 

@@ -3,7 +3,9 @@
     python scripts/export_hf.py RUN_DIR/checkpoints/step_000010 OUT_DIR
     python scripts/export_hf.py RUN_DIR OUT_DIR          # the run's latest good checkpoint
 
-The checkpoint may have been written under any layout: DCP reassembles the full tensors.
+The checkpoint may have been written under any layout: DCP reassembles the full tensors. The
+weights are written in the run's `trainer.export_dtype` (auto: the pretrained dtype, else the
+compute dtype of the run's device).
 The result loads with `AutoModelForCausalLM.from_pretrained(OUT_DIR)`.
 """
 
@@ -17,8 +19,9 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from launcher import schema  # noqa: E402
-from trainer.checkpoint import find_resumable, verify  # noqa: E402
-from trainer.model import hf_config, load_tokenizer  # noqa: E402
+from launcher.run_folder import find_resumable, verify  # noqa: E402
+from trainer.checkpoint import save_hf  # noqa: E402
+from trainer.model import export_dtype, hf_config, load_tokenizer  # noqa: E402
 
 
 def export(source: Path, out_dir: Path) -> Path:
@@ -31,10 +34,8 @@ def export(source: Path, out_dir: Path) -> Path:
     model = AutoModelForCausalLM.from_config(hf_config(cfg.model), dtype=torch.float32)
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    model.load_state_dict(state["model"])
-    model.save_pretrained(out_dir)
-    load_tokenizer(cfg.model).save_pretrained(out_dir)
-    return out_dir
+    dtype = export_dtype(cfg.model, cfg.trainer.export_dtype, cfg.device)
+    return save_hf(model, state["model"], load_tokenizer(cfg.model), out_dir, dtype)
 
 
 if __name__ == "__main__":

@@ -182,3 +182,54 @@ def test_sigint_checkpoints_and_stops_cleanly(tmp_path):
     latest = (run_dir / "checkpoints" / "latest").read_text()
     assert latest == f"step_{last:06d}"
     assert not (run_dir / "STOP").exists()
+
+
+def test_checkpoint_commit_is_complete_durable_and_refused_when_it_cannot_be(tmp_path):
+    out = tmp_path / "commit.json"
+    torchrun("ckpt_commit.py", 2, str(tmp_path), str(out))
+    for r in json.loads(out.read_text()):  # every rank saw the same outcome
+        assert r["first"] is None and r["again"] is None and r["verifies"]
+        assert (
+            r["full"].startswith("checkpoint step_000002 needs ")
+            and "but 0.00 GiB are free" in r["full"]
+        )
+        assert "the last checkpoint, step_000001, is kept" in r["full"]
+        assert r["after_full"] == ["latest", "step_000001"]
+        assert (
+            "the files of rank(s) 1 are not in" in r["split"]
+            and "not on storage every node shares" in r["split"]
+        )
+        assert "latest" not in r["split_rank0_dir"] and "step_000003" not in r["split_rank0_dir"]
+    assert (tmp_path / "shared" / "checkpoints" / "latest").read_text() == "step_000001"
+
+
+def test_bf16_export_loads_back_in_bf16(tmp_path):
+    from trainer.checkpoint import save_hf
+    from trainer.model import export_dtype, hf_config, load_tokenizer
+
+    cfg = compose_config("device=cpu")
+    assert export_dtype(cfg.model, "auto", "cpu") == torch.float32  # random init: compute dtype
+    assert export_dtype(cfg.model, "auto", "cuda") == torch.bfloat16
+    model = AutoModelForCausalLM.from_config(hf_config(cfg.model), dtype=torch.float32)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    save_hf(model, state, load_tokenizer(cfg.model), tmp_path / "hf", torch.bfloat16)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype="auto")
+    assert back.dtype == torch.bfloat16 and model.dtype == torch.float32
+    for name, w in model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], w.to(torch.bfloat16)), name
+    assert not (tmp_path / "hf.tmp").exists()
+
+
+def test_pretrained_export_keeps_the_checkpoints_dtype(tiny_pretrained, tmp_path):
+    from trainer.model import export_dtype
+
+    config = json.loads((tiny_pretrained / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (tiny_pretrained / "config.json").write_text(json.dumps(config))
+    try:
+        cfg = compose_config("model.init=pretrained", f"model.path={tiny_pretrained}")
+        assert export_dtype(cfg.model, "auto", "cpu") == torch.bfloat16
+        assert export_dtype(cfg.model, "fp32", "cpu") == torch.float32
+    finally:
+        config["dtype"] = "float32"
+        (tiny_pretrained / "config.json").write_text(json.dumps(config))

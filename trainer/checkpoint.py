@@ -1,14 +1,19 @@
 """Checkpoints with torch.distributed.checkpoint (DCP): sharded, reshardable, never half-marked.
 
-    RUN_DIR/checkpoints/step_000010/   DCP files of {"model", "optim"} (each rank writes its shards)
-                                       meta.json: step, LR schedule, the layout it was saved
-                                       under, and the size of every file (written last)
-    RUN_DIR/checkpoints/latest         the name of the newest complete checkpoint
+The layout (names, meta.json, `latest`) and how checkpoints are found and verified live in
+`launcher/run_folder.py`; this file writes and reads them. A save:
 
-A checkpoint is written into `step_N.tmp/`, completed with meta.json once every rank has
-finished, renamed to `step_N/`, and only then named in `latest`: a crash at any point
-leaves the previous checkpoint as latest. Nothing else is needed for an exact resume: the
-prompt order and the sampling seeds are functions of (seed, step, dp rank) alone.
+1. checks that the file system has room for every rank's shards (else stops, one line, the
+   last good checkpoint untouched);
+2. writes into `step_N.tmp/`; each rank fsyncs the files it wrote and reports them to rank 0;
+3. rank 0 checks it sees every rank's files at their sizes (a run folder that is not shared
+   by every node fails here, and `latest` keeps naming the previous checkpoint), writes
+   meta.json listing them all, fsyncs it and the folder;
+4. renames `step_N.tmp/` to `step_N/` (an existing `step_N/` is moved aside first and removed
+   only after), then moves `latest` (written to a temporary file, fsynced, renamed).
+
+A crash at any point leaves the previous checkpoint as latest. Nothing else is needed for an
+exact resume: the prompt order and the sampling seeds are functions of (seed, step, dp rank).
 """
 
 from __future__ import annotations
@@ -18,89 +23,68 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
-META = "meta.json"
-LATEST = "latest"
+from launcher.run_folder import (
+    LATEST,
+    META,
+    candidates,
+    checkpoint_dir,
+    file_sizes,
+    step_name,
+    verify,
+)
+from trainer.errors import RunError
+
+SPACE_MARGIN = 1.05  # DCP metadata and file-system slack over the tensor bytes
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message says which and why."""
-
-
-def checkpoint_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def step_name(step: int) -> str:
-    return f"step_{step:06d}"
-
-
-def file_sizes(folder: Path) -> dict[str, int]:
-    return {
-        p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != META
-    }
-
-
-def verify(folder: Path) -> dict:
-    """The checkpoint's meta.json if every file it lists is there at its recorded size."""
-    meta_path = folder / META
-    if not meta_path.is_file():
-        raise CheckpointError(f"{folder} is incomplete: no {META} (the save did not finish)")
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{folder}/{META} is corrupt: {e}") from None
-    actual = file_sizes(folder)
-    for name, size in meta["files"].items():
-        if name not in actual:
-            raise CheckpointError(f"{folder} is incomplete: {name} is missing")
-        if actual[name] != size:
-            raise CheckpointError(
-                f"{folder} is corrupt: {name} has {actual[name]} bytes, {size} were written"
-            )
-    return meta
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def candidates(run_dir: str | Path) -> list[Path]:
-    """Committed checkpoints of a run, newest first (`latest` first when it names one)."""
-    root = checkpoint_dir(run_dir)
-    if not root.is_dir():
-        return []
-    found = sorted(
-        (p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp")), reverse=True
-    )
-    latest = root / LATEST
-    if latest.is_file() and (root / latest.read_text().strip()).is_dir():
-        first = root / latest.read_text().strip()
-        found = [first, *(p for p in found if p != first)]
-    return found
+def local_bytes(state) -> int:
+    """Bytes of the tensors (this rank's shards of DTensors) in a nested state dict."""
+    if isinstance(state, dict):
+        return sum(local_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(local_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        t = state.to_local() if hasattr(state, "to_local") else state
+        return t.numel() * t.element_size()
+    return 0
 
 
-def find_resumable(run_dir: str | Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint that verifies, and a warning for each newer one that did not.
+def gib(n: float) -> str:
+    return f"{n / 1024**3:.2f} GiB"
 
-    Raises if checkpoints exist but none is usable: a run never silently starts over."""
-    warnings, found = [], candidates(run_dir)
-    for folder in found:
-        try:
-            verify(folder)
-            return folder, warnings
-        except CheckpointError as e:
-            warnings.append(f"{e}; trying an older checkpoint")
-    if found:
-        raise CheckpointError(
-            f"no usable checkpoint in {checkpoint_dir(run_dir)} ({'; '.join(warnings)}); "
-            "fix or remove them, or start a new run with trainer.resume=none"
+
+def ensure_space(folder: Path, needed: int, what: str, keep: str, device: torch.device) -> None:
+    """Collective: stop on every rank, with one line, if rank 0's file system lacks `needed` bytes."""
+    t = torch.tensor([0.0, 0.0], dtype=torch.float64, device=device)
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        t[0], t[1] = needed * SPACE_MARGIN, shutil.disk_usage(folder).free
+    dist.broadcast(t, src=0)
+    need, free = t.tolist()
+    if need > free:
+        raise RunError(
+            f"{what} needs {gib(need)} in {folder} but {gib(free)} are free; free space on that "
+            f"disk or point hydra.run.dir at a larger one ({keep})"
         )
-    return None, warnings
 
 
 def save(
@@ -109,29 +93,67 @@ def save(
     """Collective: every rank writes its shards; rank 0 commits. Returns the checkpoint folder."""
     root = checkpoint_dir(run_dir)
     final, tmp = root / step_name(step), root / (step_name(step) + ".tmp")
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
+    rank, device = dist.get_rank(), next(model.parameters()).device
     state = {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optimizer),
     }
-    dcp.save(state, checkpoint_id=str(tmp))
+    needed = torch.tensor([local_bytes(state)], dtype=torch.float64, device=device)
+    dist.all_reduce(needed)
+    previous = candidates(run_dir)
+    keep = f"the last checkpoint, {previous[0].name}, is kept" if previous else "no checkpoint yet"
+    ensure_space(root, int(needed.item()), f"checkpoint {final.name}", keep, device)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
     dist.barrier()
-    if dist.get_rank() == 0:
-        meta = {
-            "step": step,
-            "scheduler": scheduler.state_dict(),
-            "layout": layout,
-            "files": file_sizes(tmp),
-        }
+    dcp.save(state, checkpoint_id=str(tmp))
+    # DCP names each rank's file __RANK_N.distcp; rank 0 also writes .metadata
+    mine = {p.name: p.stat().st_size for p in tmp.glob(f"__{rank}_*.distcp")}
+    if rank == 0:
+        mine[".metadata"] = (tmp / ".metadata").stat().st_size
+    for name in mine:
+        fsync_path(tmp / name)
+    reported: list[dict[str, int]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(reported, mine)
+    verdict = [None]
+    if rank == 0:
+        seen = file_sizes(tmp)
+        verdict = [
+            [
+                r
+                for r, files in enumerate(reported)
+                if any(seen.get(n) != s for n, s in files.items())
+            ]
+        ]
+    dist.broadcast_object_list(verdict, src=0)  # commit on every rank's word, or on none
+    if missing := verdict[0]:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RunError(
+            f"checkpoint {final.name} is incomplete where rank 0 writes it: the files of rank(s) "
+            f"{', '.join(map(str, missing))} are not in {tmp} (the run folder is not on storage "
+            f"every node shares); {keep}. Use a shared hydra.run.dir, or run without checkpoints: "
+            "trainer.save_final=false trainer.save_every=0 trainer.export_hf=false"
+        )
+    if rank == 0:
+        files = {n: s for files in reported for n, s in files.items()}
+        meta = {"step": step, "scheduler": scheduler.state_dict(), "layout": layout, "files": files}
         (tmp / META).write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
+        fsync_path(tmp / META)
+        fsync_path(tmp)
+        aside = root / (final.name + ".replaced")
+        if final.exists():  # a complete checkpoint goes only once its replacement is complete
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
         os.replace(tmp, final)
+        fsync_path(root)
         pointer = root / (LATEST + ".tmp")
         pointer.write_text(final.name)
+        fsync_path(pointer)
         os.replace(pointer, root / LATEST)
+        fsync_path(root)
+        shutil.rmtree(aside, ignore_errors=True)
         if keep_last > 0:
             for old in candidates(run_dir)[keep_last:]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -154,16 +176,52 @@ def load(model, optimizer, scheduler, folder: str | Path) -> int:
     return int(meta["step"])
 
 
-def export_hf(model, tokenizer, out_dir: str | Path) -> Path:
-    """Collective: gather the full weights to rank 0 (on CPU) and save them with save_pretrained."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+def save_hf(model, state: dict, tokenizer, out_dir: Path, dtype: torch.dtype) -> Path:
+    """Rank 0 / one process: write `state` (full tensors) in `dtype` with save_pretrained, into
+    OUT.tmp and then renamed, so a failed export never leaves a half-written OUT."""
+    for name in list(state):  # one tensor at a time: no second full copy
+        state[name] = state[name].to(dtype)
+    tmp, aside = (
+        out_dir.with_name(out_dir.name + ".tmp"),
+        out_dir.with_name(out_dir.name + ".replaced"),
+    )
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state)
+    # save_pretrained records the module's dtype; the files hold `dtype`, and loading with
+    # dtype="auto" should give that
+    config = json.loads((tmp / "config.json").read_text())
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    if out_dir.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(out_dir, aside)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(aside, ignore_errors=True)
+    return out_dir
 
+
+def export_bytes(model, dtype: torch.dtype) -> int:
+    """Bytes of the full weights in `dtype` (a tied matrix once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * dtype.itemsize
+    return total
+
+
+def export_hf(model, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> Path:
+    """Collective: gather the full weights to rank 0 (on CPU) and save them in `dtype`."""
+    out_dir = Path(out_dir)
+    device = next(model.parameters()).device
+    ensure_space(out_dir.parent, export_bytes(model, dtype), f"the HF export to {out_dir.name}",
+                 "the checkpoints are kept; scripts/export_hf.py exports one later", device)  # fmt: skip
     state = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
-    out_dir = Path(out_dir)
     if dist.get_rank() == 0:
-        model.save_pretrained(out_dir, state_dict=state)
-        tokenizer.save_pretrained(out_dir)
+        save_hf(model, state, tokenizer, out_dir, dtype)
     dist.barrier()
     return out_dir

@@ -73,6 +73,19 @@ def compute_dtype(m: ModelConfig, device_type: str) -> torch.dtype:
     return DTYPES[m.param_dtype]
 
 
+def export_dtype(m: ModelConfig, export: str, device_type: str) -> torch.dtype:
+    """`trainer.export_dtype`: auto is the pretrained checkpoint's own dtype (config.json), else
+    the compute dtype, so a bf16 Qwen3-4B exports as 8 GB of bf16, not 16 GB of fp32 masters."""
+    if export != "auto":
+        return DTYPES[export]
+    if m.init == "pretrained":
+        saved = hf_config(m).dtype
+        saved = getattr(torch, saved) if isinstance(saved, str) else saved
+        if saved in (torch.bfloat16, torch.float16, torch.float32):
+            return saved
+    return compute_dtype(m, device_type)
+
+
 def mp_policy(m: ModelConfig, device_type: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(
         param_dtype=compute_dtype(m, device_type), reduce_dtype=DTYPES[m.reduce_dtype]

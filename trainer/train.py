@@ -29,7 +29,7 @@ from trainer.engine import StaticCacheEngine
 from trainer.grpo import group_advantages, grpo_token_loss, loss_weights, token_logprobs
 from trainer.metrics import DPSums, MetricsLogger
 from trainer.micro_batches import MicroBatch
-from trainer.model import build_model, compute_dtype
+from trainer.model import build_model, compute_dtype, export_dtype
 from trainer.parallel import ParallelState, any_rank
 from trainer.perf import peak_flops, peak_memory_gb, perf_metrics
 from trainer.replicas import check_replicas
@@ -245,8 +245,9 @@ class GRPOTrainer:
         else:
             if t.export_hf:
                 self.phase("export")
+                dtype = export_dtype(self.cfg.model, t.export_dtype, self.ps.device.type)
                 out = checkpoint.export_hf(
-                    self.model, self.tokenizer, Path(self.cfg.run_dir) / "hf"
+                    self.model, self.tokenizer, Path(self.cfg.run_dir) / "hf", dtype
                 )
                 print(f"exported Hugging Face weights: {out}", flush=True)
         self.metrics.close()

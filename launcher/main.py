@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from launcher import resume, sweep
+from launcher import nodes, resume, sweep
 from launcher.plan import plan
 from launcher.schema import Config
 from launcher.torchrun import start_workers
@@ -83,6 +83,8 @@ def run(cfg: DictConfig) -> int:
         run_dir, checkpoint, warnings = (
             (hydra_dir, None, []) if typed.dry_run else resume.resolve(typed, hydra_dir)
         )
+        if typed.parallel.nnodes > 1 and not typed.dry_run:  # one folder for the whole job
+            run_dir, checkpoint = nodes.agree(typed, run_dir, checkpoint)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         if not multirun:

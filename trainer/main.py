@@ -9,8 +9,10 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import socket
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import torch
@@ -88,6 +90,42 @@ def smoke_test(model: torch.nn.Module, ps: ParallelState, vocab_size: int) -> fl
     return loss.item()
 
 
+def check_shared_run_dir(cfg: schema.Config, ps: ParallelState) -> None:
+    """Collective, on several nodes: does every rank see rank 0's run folder? Checkpoints need
+    it (every rank writes its shards there, and resuming reads them back); without them a
+    node-local folder works, with metrics and the export on rank 0's node."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size)) == ps.world_size:
+        return  # one node: one file system
+    token = [uuid.uuid4().hex if ps.rank == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    marker = Path(cfg.run_dir) / ".shared_marker"
+    if ps.rank == 0:
+        marker.write_text(token[0])
+    dist.barrier()
+    try:
+        sees = marker.read_text() == token[0]
+    except OSError:
+        sees = False
+    seen = [None] * ps.world_size
+    dist.all_gather_object(seen, (sees, socket.gethostname()))
+    blind = [r for r, (ok, _) in enumerate(seen) if not ok]
+    if not blind:
+        return
+    where = (
+        f"rank(s) {', '.join(map(str, blind))} on {', '.join(sorted({seen[r][1] for r in blind}))}"
+    )
+    t = cfg.trainer
+    if t.save_final or t.save_every > 0 or t.resume != "none":  # the same verdict on every rank
+        raise RunError(
+            f"the run folder {cfg.run_dir} is not on storage every node shares ({where} do not "
+            "see what rank 0 wrote there); checkpoints need one: set hydra.run.dir to a shared "
+            "path, or run without checkpoints: trainer.save_final=false trainer.save_every=0"
+        )
+    if ps.rank == 0:
+        print(f"warning: the run folder is not shared with {where}: metrics and the export are "
+              "written on this node, each node keeps its own ranks' logs", flush=True)  # fmt: skip
+
+
 @record
 def main(config_path: str) -> None:
     cfg = schema.load(config_path)
@@ -112,6 +150,7 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
     device = init_distributed(cfg.device, cfg.trainer.hang_timeout_s)
     ps = ParallelState.build(device, cfg.parallel.dp_replicate_size, cfg.parallel.cp_size)
     print(f"{ps.describe()}, pid {os.getpid()}", flush=True)
+    check_shared_run_dir(cfg, ps)
     task = None
     if not cfg.trainer.smoke_test:  # data first: a prompt too long for the model stops us here
         watchdog.phase(0, "load data")

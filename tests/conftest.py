@@ -31,6 +31,9 @@ def env() -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), e.get("PYTHONPATH")]))
     e.setdefault("OMP_NUM_THREADS", "1")
+    # inductor compiles in this process, not a worker pool: on 2 cores the pool only adds
+    # processes, and once it aborted a rank at exit ("terminate called without an active exception")
+    e.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     e["WANDB_SILENT"] = "true"
     return e
 

@@ -253,3 +253,17 @@ def test_a_second_signal_ends_a_hung_run_within_10_s(tmp_path):
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
     assert proc.returncode != 0
+
+
+def test_variable_length_responses_with_a_small_token_budget_finish(tmp_path):
+    """Random-init responses end at EOS anywhere in 48 tokens, so every rank packs its rows into
+    a different number of micro-batches; they must agree on one count (before: a hang)."""
+    run_dir = tmp_path / "run"
+    out = launch("device=cpu", "rl.micro_batch_tokens=100", "rl.max_new_tokens=48",
+                 "trainer.max_steps=3", "logger=none", "trainer.hang_timeout_s=60",
+                 "trainer.save_final=false", "trainer.export_hf=false", f"hydra.run.dir={run_dir}")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert any(r["train/micro_batches_needed_min"] < r["train/micro_batches"] for r in rows), rows
+    assert all(0 < r["rollout/truncated_frac"] < 1 for r in rows)  # some end at EOS, some do not

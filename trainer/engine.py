@@ -264,6 +264,7 @@ class StaticCacheEngine(HFRolloutEngine):
             tokens_BN[:, t], logps_BN[:, t] = self.tok, self.logp
             done |= self.tok == params.eos_token_id
             steps = t + 1
+            # this rank's own decision: decoding runs no collective, so ranks may stop apart
             if t % 16 == 0 and bool(done.all()):  # one host sync every 16 tokens
                 break
         return trim_at_eos(

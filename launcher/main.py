@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -17,6 +18,8 @@ from launcher.schema import Config
 from launcher.torchrun import start_workers
 from launcher.validate import ConfigError, resolve_device, validate
 
+CONFIG_GROUPS = ("parallel", "model", "data", "rl", "logger")
+
 
 def to_typed(cfg: DictConfig) -> Config:
     """The composed config as the schema's dataclasses (interpolations resolved)."""
@@ -28,11 +31,18 @@ def to_typed(cfg: DictConfig) -> Config:
 
 
 def visible_gpus(device: str) -> int:
+    """GPUs this process may use (CUDA_VISIBLE_DEVICES applies), asked of the CUDA driver
+    itself: the launcher never imports torch (it takes seconds and a GPU context)."""
     if device == "cpu":
         return 0
-    import torch
-
-    return torch.cuda.device_count()
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no NVIDIA driver on this machine
+        return 0
+    count = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
 
 
 def write_config(cfg: Config, run_dir: Path) -> Path:
@@ -57,12 +67,14 @@ def slurm_rendezvous(cfg: Config) -> None:
         ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True
     ).stdout.split()
     if hosts:
-        cfg.parallel.rdzv_endpoint = f"{hosts[0]}:29500"
+        cfg.parallel.rdzv_endpoint = f"{hosts[0]}:{cfg.parallel.rdzv_port}"
         cfg.parallel.rdzv_id = os.environ.get("SLURM_JOB_ID", cfg.parallel.rdzv_id)
 
 
 def prepare(cfg: DictConfig) -> tuple[Config, int]:
     typed = to_typed(cfg)
+    choices = HydraConfig.get().runtime.choices
+    typed.presets = {g: choices[g] for g in CONFIG_GROUPS if choices.get(g)}
     slurm_rendezvous(typed)
     gpus = visible_gpus(typed.device)
     # A plan made where no GPU is visible (a laptop, a login node) skips the GPU-count check.

@@ -102,7 +102,7 @@ def plan(cfg: Config) -> str:
     node_of = lambda rank: rank // p.nproc_per_node  # noqa: E731
 
     out = [
-        f"hsdp-grpo plan: {cfg.model.name} ({fmt_count(n)} parameters), parallel "
+        f"hsdp-grpo plan: {cfg.presets.get('model', 'model')} ({fmt_count(n)} parameters), parallel "
         f"r{r} x s{s} on {p.nnodes} node(s) x {p.nproc_per_node} rank(s) = world {world}, device {device}",
         f"dtypes: master fp32, compute {'bf16' if compute == 2 else 'fp32'}, reduce {cfg.model.reduce_dtype}",
         "",

@@ -7,10 +7,30 @@ them into these dataclasses in struct mode). Each field's comment is its documen
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+
+
+def choice(default: str, *choices: str):
+    """A string key with a fixed set of values: the one place they are written. Validation, the
+    generated docs and the trainer's registries read them from here (`choices_of`)."""
+    assert default in choices
+    return field(default=default, metadata={"choices": choices})
+
+
+def choices_of(cls: type, name: str) -> tuple[str, ...]:
+    return next(f.metadata["choices"] for f in fields(cls) if f.name == name)
+
+
+def choice_fields(node, prefix: str = ""):
+    """(dotted key, value, allowed values) of every choice field in a config, nested ones too."""
+    for f in fields(node):
+        value = getattr(node, f.name)
+        if "choices" in f.metadata:
+            yield f"{prefix}{f.name}", value, f.metadata["choices"]
+        elif is_dataclass(value):
+            yield from choice_fields(value, f"{prefix}{f.name}.")
 
 
 @dataclass
@@ -27,8 +47,11 @@ class ParallelConfig:
     nnodes: int = 1
     # Worker processes (GPUs) per node.
     nproc_per_node: int = 1
-    # host:port of the c10d rendezvous; required when nnodes > 1.
+    # host:port of the c10d rendezvous; required when nnodes > 1 (inside a Slurm job the launcher
+    # fills it with the job's first node and parallel.rdzv_port).
     rdzv_endpoint: str | None = None
+    # The port of the rendezvous the launcher fills in itself (Slurm).
+    rdzv_port: int = 29500
     # Rendezvous id shared by the nodes of one job.
     rdzv_id: str = "hsdp-grpo"
 
@@ -66,36 +89,47 @@ class ArchConfig:
 class ModelConfig:
     """Which Qwen3 to train and how its weights are held."""
 
-    # Preset name (informational; set by the conf/model file).
-    name: str = "qwen3_tiny"
     # Local folder or hub id for `from_pretrained`; null builds `model.arch` with the shipped tokenizer.
     path: str | None = None
-    # `pretrained` (weights from model.path) | `random` (architecture only, seeded init).
-    init: str = "random"
+    # pretrained: weights from model.path; random: the architecture only, seeded init.
+    init: str = choice("random", "pretrained", "random")
     # Tokenizer folder or hub id; null: model.path's, else the shipped byte-level one.
     tokenizer_path: str | None = None
     arch: ArchConfig = field(default_factory=ArchConfig)
-    # Dtype of parameters in forward/backward: `auto` (bf16 on cuda, fp32 on cpu) | `bf16` | `fp32`.
-    param_dtype: str = "auto"
-    # Dtype of gradient reduce-scatter / all-reduce: `fp32` | `bf16`.
-    reduce_dtype: str = "fp32"
-    # Attention kernel passed to transformers: `sdpa` | `eager` | `flash_attention_2`.
-    attn_implementation: str = "sdpa"
+    # Dtype of parameters in forward/backward; auto: bf16 on cuda, fp32 on cpu.
+    param_dtype: str = choice("auto", "auto", "bf16", "fp32")
+    # Dtype of the gradient reduce-scatter / all-reduce.
+    reduce_dtype: str = choice("fp32", "fp32", "bf16")
+    # Attention kernel passed to transformers.
+    attn_implementation: str = choice("sdpa", "sdpa", "eager", "flash_attention_2")
     # Recompute each decoder layer's activations in backward instead of keeping them (about
     # a third more compute; activation memory drops to the layer inputs).
     activation_checkpointing: bool = False
     # torch.compile each decoder layer (before sharding), fusing norms, RoPE and the MLP gate.
     compile: bool = False
+    # Free each decoder layer's gathered weights after its forward and gather them again in
+    # backward (less memory, one more all-gather per layer). The root (embeddings, final norm,
+    # lm_head) always stays gathered: backward needs it first.
+    reshard_after_forward: bool = True
     # Run code shipped with a hub model. Off unless you trust the repository.
     trust_remote_code: bool = False
+
+
+TASK_REWARDS = {"synthetic": {"digit_echo": 1.0}, "gsm8k": {"math_answer": 1.0, "format": 0.1}}
+
+
+def rewards_of(data: DataConfig) -> dict[str, float]:
+    """The rewards a run scores with: `data.rewards`, or its task's own when that is empty."""
+    return dict(data.rewards) or TASK_REWARDS[data.name]
 
 
 @dataclass
 class DataConfig:
     """Prompts and the rewards that score their responses."""
 
-    # `synthetic` (shipped digit-echo task) | `gsm8k` (datasets: hub id or local parquet/jsonl).
-    name: str = "synthetic"
+    # Which loader: synthetic (the shipped digit-echo task) or gsm8k (GSM8K-style rows through
+    # datasets: a hub id or a local parquet/jsonl file).
+    name: str = choice("synthetic", "synthetic", "gsm8k")
     # gsm8k: hub id or local .parquet / .jsonl / .json file; ignored by synthetic.
     path: str | None = None
     # gsm8k: dataset config name on the hub (`main` for openai/gsm8k).
@@ -113,7 +147,8 @@ class DataConfig:
     # Text appended to every question (e.g. an instruction about the answer format).
     prompt_suffix: str = ""
     # Reward functions by registered name and their weights; the reward is the weighted sum.
-    rewards: dict[str, float] = field(default_factory=lambda: {"digit_echo": 1.0})
+    # Empty: the task's own (TASK_REWARDS: synthetic digit_echo; gsm8k math_answer + 0.1 format).
+    rewards: dict[str, float] = field(default_factory=dict)
     # synthetic: number of prompts generated, and digits per prompt.
     num_examples: int = 4096
     num_digits: int = 4
@@ -123,8 +158,6 @@ class DataConfig:
 class RLConfig:
     """GRPO: batch sizes (named by what they count), sampling, advantages and the loss."""
 
-    # Preset name (informational; set by the conf/rl file).
-    name: str = "grpo"
     # Prompts per step over the whole data-parallel domain (split over all R*S ranks).
     prompts_per_step: int = 16
     # Responses sampled per prompt: one GRPO group.
@@ -151,25 +184,31 @@ class RLConfig:
     clip_high: float = 0.2
     # KL penalty to a frozen reference; the reference is built only when > 0.
     kl_coef: float = 0.0
-    # `k1` | `k2` | `k3` (k3 = low-variance KL).
-    kl_estimator: str = "k3"
+    # KL estimator (Schulman's k1, k2, k3; k3 is the low-variance one).
+    kl_estimator: str = choice("k3", "k1", "k2", "k3")
     # Entropy bonus: loss -= entropy_coef * mean token entropy.
     entropy_coef: float = 0.0
-    # `token_mean` | `seq_mean_token_mean` | `seq_mean_token_sum_norm` (sum / max_new_tokens).
-    loss_agg: str = "token_mean"
-    # Rollout engine: `auto` (static KV cache + CUDA graph on GPUs, transformers generate on CPU)
-    # | `static` | `hf`.
-    engine: str = "auto"
+    # How per-token losses become one number (trainer/grpo.py): token_mean, seq_mean_token_mean,
+    # seq_mean_token_sum_norm (sum / max_new_tokens, Dr. GRPO).
+    loss_agg: str = choice(
+        "token_mean", "token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"
+    )
+    # Log-probs and entropies are computed this many tokens at a time (fp32 over the vocabulary:
+    # 1024 x 151,936 x 4 B = 0.6 GB per chunk for Qwen3), recomputed in backward.
+    logprob_chunk_tokens: int = 1024
+    # Rollout engine: auto (static on GPUs, hf on CPU), static (static KV cache + CUDA graph),
+    # hf (transformers generate).
+    engine: str = choice("auto", "auto", "static", "hf")
     # static engine: compile the decode step with torch.compile before capturing it.
     compile_decode: bool = True
     # static engine: decode steps attend over the first 1/n, 2/n, ... n/n of the KV cache (the
     # part that holds the tokens so far) instead of all of it every step; each of the n spans is
     # its own compiled, captured step (about a minute of compile each for Qwen3-4B). 1: whole cache.
     decode_spans: int = 3
-    # static engine, decode attention: `auto` (triton on a GPU with Triton installed and head_dim a
-    # power of two >= 16, else sdpa) | `sdpa` (PyTorch SDPA over the span) | `triton` (a split-K
-    # kernel that reads only the filled columns, one compiled step; needs a GPU and Triton).
-    decode_attention: str = "auto"
+    # static engine, decode attention: auto (triton on a GPU with Triton installed and head_dim a
+    # power of two >= 16, else sdpa), sdpa (PyTorch SDPA over the span), triton (a split-K kernel
+    # that reads only the filled columns, one compiled step; needs a GPU and Triton).
+    decode_attention: str = choice("auto", "auto", "sdpa", "triton")
 
 
 @dataclass
@@ -186,8 +225,8 @@ class OptimConfig:
     eps: float = 1e-8
     # Clip the global norm of the sharded gradients; 0 disables clipping (norm still logged).
     max_grad_norm: float = 1.0
-    # `constant` | `cosine` (linear warmup, then cosine to min_lr_ratio * lr).
-    schedule: str = "constant"
+    # Learning-rate schedule after the linear warmup: constant, or cosine to min_lr_ratio * lr.
+    schedule: str = choice("constant", "constant", "cosine")
     # Linear warmup from 0 over this many optimizer steps.
     warmup_steps: int = 0
     # cosine: the final learning rate as a fraction of optim.lr.
@@ -215,9 +254,9 @@ class TrainerConfig:
     save_final: bool = True
     # Write the final weights in Hugging Face format (safetensors, config, tokenizer) to RUN_DIR/hf.
     export_hf: bool = True
-    # Dtype of the exported weights: `auto` (the pretrained checkpoint's own dtype, else the
-    # compute dtype: bf16 on GPUs, fp32 on CPU) | `bf16` | `fp32`.
-    export_dtype: str = "auto"
+    # Dtype of the exported weights; auto: the pretrained checkpoint's own dtype, else the compute
+    # dtype (bf16 on GPUs, fp32 on CPU).
+    export_dtype: str = choice("auto", "auto", "bf16", "fp32")
     # Stop after this many updates in a row with a non-finite loss or gradient norm (each is skipped).
     max_bad_updates: int = 3
     # Peak TFLOP/s per GPU for perf/mfu; 0: the dense bf16 datasheet value of known GPUs.
@@ -239,10 +278,10 @@ class TrainerConfig:
 class LoggerConfig:
     """Where metrics go besides `metrics.jsonl` in the run directory."""
 
-    # `wandb` | `none` (metrics.jsonl is always written).
-    backend: str = "wandb"
-    # W&B mode: `offline` (a run folder for `wandb sync`) | `online` | `disabled`.
-    mode: str = "offline"
+    # Where metrics go besides metrics.jsonl (always written).
+    backend: str = choice("wandb", "wandb", "none")
+    # W&B mode: offline (a run folder for `wandb sync`), online, disabled.
+    mode: str = choice("offline", "offline", "online", "disabled")
     # W&B project, entity (team or user), group, run name and tags; a sweep fills group and name.
     project: str = "hsdp-grpo"
     entity: str | None = None
@@ -255,19 +294,22 @@ class LoggerConfig:
 class Config:
     """The whole run."""
 
-    parallel: ParallelConfig = MISSING
-    model: ModelConfig = MISSING
-    data: DataConfig = MISSING
-    rl: RLConfig = MISSING
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    logger: LoggerConfig = MISSING
-    # `auto` (cuda if visible, else cpu) | `cuda` | `cpu`.
-    device: str = "auto"
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # auto: cuda if a GPU is visible, else cpu.
+    device: str = choice("auto", "auto", "cuda", "cpu")
     # Print the plan (mesh, memory, traffic) and exit without starting a process.
     dry_run: bool = False
     # Filled in by the launcher: where this run writes config, logs and metrics.
     run_dir: str | None = None
+    # Filled in by the launcher: the preset chosen in each group (Hydra's choices), e.g.
+    # {model: qwen3_4b, parallel: hsdp_r2s2}; names runs and plans.
+    presets: dict[str, str] = field(default_factory=dict)
 
 
 def load(source) -> Config:

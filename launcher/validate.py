@@ -12,22 +12,9 @@ import os
 import re
 from pathlib import Path
 
-from launcher.schema import Config
+from launcher.schema import Config, choice_fields, rewards_of
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-DEVICES = ("auto", "cuda", "cpu")
-INITS = ("pretrained", "random")
-PARAM_DTYPES = ("auto", "bf16", "fp32")
-REDUCE_DTYPES = ("fp32", "bf16")
-ATTN = ("sdpa", "eager", "flash_attention_2")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-SCHEDULES = ("constant", "cosine")
-ENGINES = ("auto", "static", "hf")
-DECODE_ATTENTION = ("auto", "sdpa", "triton")
-DATASETS = ("synthetic", "gsm8k")
-LOGGERS = ("wandb", "none")
-WANDB_MODES = ("offline", "online", "disabled")
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
@@ -147,10 +134,6 @@ def validate_parallel(cfg: Config, visible_gpus: int, check_gpu_count: bool = Tr
 
 def validate_model(cfg: Config) -> None:
     m = cfg.model
-    one_of("model.init", m.init, INITS)
-    one_of("model.param_dtype", m.param_dtype, PARAM_DTYPES)
-    one_of("model.reduce_dtype", m.reduce_dtype, REDUCE_DTYPES)
-    one_of("model.attn_implementation", m.attn_implementation, ATTN)
     if m.init == "pretrained" and not cfg.dry_run:  # a plan needs the architecture, not the weights
         check(
             bool(m.path),
@@ -189,7 +172,6 @@ def validate_data(cfg: Config) -> None:
     from trainer.rewards import REWARDS
 
     d = cfg.data
-    one_of("data.name", d.name, DATASETS)
     check(
         d.name != "synthetic" or not d.path,
         f"data.path={d.path!r} is ignored by data=synthetic (the shipped task makes its own "
@@ -220,11 +202,7 @@ def validate_data(cfg: Config) -> None:
     else:
         at_least("data.num_examples", d.num_examples, 1)
         at_least("data.num_digits", d.num_digits, 1)
-    check(
-        len(d.rewards) > 0,
-        "data.rewards is empty; name at least one reward, e.g. data.rewards={digit_echo:1.0}",
-    )
-    for name, weight in d.rewards.items():
+    for name, weight in rewards_of(d).items():
         check(
             name in REWARDS,
             f"data.rewards.{name}: unknown reward {name!r}; registered rewards are {', '.join(sorted(REWARDS))}",
@@ -240,6 +218,7 @@ def validate_rl(cfg: Config) -> None:
     at_least("rl.updates_per_step", r.updates_per_step, 1)
     at_least("rl.micro_batch_responses", r.micro_batch_responses, 1)
     at_least("rl.micro_batch_tokens", r.micro_batch_tokens, 0)
+    at_least("rl.logprob_chunk_tokens", r.logprob_chunk_tokens, 1)
     at_least("rl.decode_spans", r.decode_spans, 1)
     check(
         r.decode_spans <= 8,
@@ -262,11 +241,7 @@ def validate_rl(cfg: Config) -> None:
     check(0 < r.clip_low < 1, f"rl.clip_low={r.clip_low} must be in (0, 1)")
     positive("rl.clip_high", r.clip_high)
     at_least("rl.kl_coef", r.kl_coef, 0)
-    one_of("rl.kl_estimator", r.kl_estimator, KL_ESTIMATORS)
     at_least("rl.entropy_coef", r.entropy_coef, 0)
-    one_of("rl.loss_agg", r.loss_agg, LOSS_AGGS)
-    one_of("rl.engine", r.engine, ENGINES)
-    one_of("rl.decode_attention", r.decode_attention, DECODE_ATTENTION)
     if r.decode_attention == "triton":
         hd = cfg.model.arch.head_dim
         check(
@@ -282,7 +257,6 @@ def validate_rl(cfg: Config) -> None:
         f"optim.beta1={o.beta1}, optim.beta2={o.beta2} must be in [0, 1)",
     )
     at_least("optim.max_grad_norm", o.max_grad_norm, 0)
-    one_of("optim.schedule", o.schedule, SCHEDULES)
     at_least("optim.warmup_steps", o.warmup_steps, 0)
     check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
     at_least("trainer.max_steps", t.max_steps, 1)
@@ -290,16 +264,14 @@ def validate_rl(cfg: Config) -> None:
     at_least("trainer.keep_last", t.keep_last, 0)
     at_least("trainer.max_bad_updates", t.max_bad_updates, 1)
     at_least("trainer.hang_timeout_s", t.hang_timeout_s, 30)
-    one_of("trainer.export_dtype", t.export_dtype, PARAM_DTYPES)
     at_least("trainer.check_replicas_every", t.check_replicas_every, 0)
 
 
 def validate(cfg: Config, visible_gpus: int, check_gpu_count: bool = True) -> None:
-    one_of("device", cfg.device, DEVICES)
+    for key, value, choices in choice_fields(cfg):  # the allowed values, from the schema
+        one_of(key, value, choices)
     if cfg.device == "cuda" and check_gpu_count:
         check(visible_gpus > 0, "device=cuda but no GPU is visible; use device=cpu")
-    one_of("logger.backend", cfg.logger.backend, LOGGERS)
-    one_of("logger.mode", cfg.logger.mode, WANDB_MODES)
     validate_parallel(cfg, visible_gpus, check_gpu_count)
     if cfg.rl.decode_attention == "triton" and resolve_device(cfg.device, visible_gpus) == "cuda":
         check(

@@ -37,9 +37,8 @@ def field_comments(cls: type) -> dict[str, str]:
 
 
 def type_name(tp: object) -> str:
-    return str(tp).replace("typing.", "").replace("Optional[", "").rstrip("]") + (
-        "?" if "Optional" in str(tp) else ""
-    )
+    """The annotation as written in the schema (`str | None`), with table pipes escaped."""
+    return str(tp).replace("typing.", "").replace("|", "\\|")
 
 
 def default_of(f: dataclasses.Field) -> str:
@@ -58,9 +57,10 @@ def section(prefix: str, cls: type) -> list[str]:
         if sub is not None and dataclasses.is_dataclass(sub):
             nested.append((key + ".", sub, " ".join((sub.__doc__ or "").split())))
             continue
-        rows.append(
-            f"| `{key}` | {type_name(f.type)} | {default_of(f)} | {comments.get(f.name, '')} |"
-        )
+        kind = type_name(f.type)
+        if "choices" in f.metadata:
+            kind = "one of " + ", ".join(f"`{c}`" for c in f.metadata["choices"])
+        rows.append(f"| `{key}` | {kind} | {default_of(f)} | {comments.get(f.name, '')} |")
     out = []
     if rows:
         out += ["| key | type | default | meaning |", "|---|---|---|---|", *rows, ""]
@@ -75,6 +75,39 @@ def section(prefix: str, cls: type) -> list[str]:
     return out
 
 
+def flatten(node: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for k, v in node.items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def cross_group_settings() -> list[str]:
+    """Keys a preset sets outside its own group (files marked `# @package _global_`)."""
+    from omegaconf import OmegaConf
+
+    rows = []
+    for path in sorted((ROOT / "conf").glob("*/*.yaml")):
+        group = path.parent.name
+        if not path.read_text().startswith("# @package _global_"):
+            continue
+        for key, value in flatten(OmegaConf.to_container(OmegaConf.load(path))).items():
+            if not key.startswith(f"{group}."):
+                rows.append(f"| `{group}={path.stem}` | `{key}` | `{value!r}` |")
+    return [
+        "## Settings a preset makes outside its group",
+        "",
+        "A few presets choose values in another group, because they only make sense together (a",
+        "learning rate for a model size, a response budget for a task). They are applied when the",
+        "preset is chosen; a value given on the command line still wins.",
+        "",
+        "| preset | key | value |",
+        "|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
 def render() -> str:
     head = [
         "# Configuration",
@@ -87,7 +120,8 @@ def render() -> str:
         "## top level",
         "",
     ]
-    return "\n".join(head + section("", schema.Config)).rstrip() + "\n"
+    body = section("", schema.Config)
+    return "\n".join(head + body + [""] + cross_group_settings()).rstrip() + "\n"
 
 
 if __name__ == "__main__":

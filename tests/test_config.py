@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CONF, REPO, compose_config, launch
+from conftest import CONF, REPO, compose_config, env, launch
 
 PRESETS = {
     "single": (1, 1, 1, 1),
@@ -112,3 +112,26 @@ def test_configuration_docs_are_current():
         text=True,
     )
     assert out.returncode == 0, out.stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["parallel.dp_replicate_size=3", "device=cpu"],
+        ["dry_run=true", "model=qwen3_4b"],
+    ],
+    ids=["help", "validation error", "dry run"],
+)
+def test_the_launcher_never_imports_torch(argv):
+    """Everything before a worker starts stays light: torch is imported by the workers only."""
+    code = (
+        "import atexit, runpy, sys\n"
+        "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+        f"sys.argv = ['launch.py', *{argv!r}]\n"
+        "runpy.run_path('launch.py', run_name='__main__')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True
+    )
+    assert "torch imported: False" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]

@@ -127,3 +127,11 @@ def test_token_logprobs_chunking_changes_nothing():
     torch.testing.assert_close(ga, gb)
     ref = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None]).squeeze(-1)
     torch.testing.assert_close(a, ref)
+
+
+def test_the_trainers_registries_are_the_schemas_choices():
+    from launcher.schema import RLConfig, choices_of
+    from trainer.grpo import AGGREGATIONS, KL_ESTIMATORS
+
+    assert tuple(AGGREGATIONS) == choices_of(RLConfig, "loss_agg")
+    assert tuple(KL_ESTIMATORS) == choices_of(RLConfig, "kl_estimator")

@@ -7,6 +7,7 @@ from conftest import compose_config
 
 from trainer import rewards
 from trainer.data import PromptSampler, load_prompts, synthetic_prompts
+from trainer.errors import RunError
 from trainer.model import load_tokenizer
 from trainer.rewards import RewardError, digit_echo, format_reward, math_answer, score
 
@@ -100,5 +101,5 @@ def test_gsm8k_missing_column_is_named(tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text(json.dumps({"q": "x", "answer": "1"}) + "\n")
     cfg = compose_config("data=gsm8k", f"data.path={path}")
-    with pytest.raises(ValueError, match=r"no column\(s\) \['question'\]"):
+    with pytest.raises(RunError, match=r"no column\(s\) \[.question.\]"):
         load_prompts(cfg.data, load_tokenizer(cfg.model), seed=0)

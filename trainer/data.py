@@ -49,7 +49,7 @@ def dataset_prompts(d: DataConfig, tokenizer) -> list[Prompt]:
     rows = load_rows(d)
     missing = {d.question_key, d.answer_key} - set(rows.column_names)
     if missing:
-        raise ValueError(
+        raise RunError(
             f"data.path={d.path!r} has no column(s) {sorted(missing)}; it has {rows.column_names} "
             "(set data.question_key / data.answer_key)"
         )
@@ -64,7 +64,7 @@ def dataset_prompts(d: DataConfig, tokenizer) -> list[Prompt]:
             )
         out.append(Prompt(text=question, answer=str(row[d.answer_key])))
     if not out:
-        raise ValueError(f"data.path={d.path!r} split {d.split!r} has no rows")
+        raise RunError(f"data.path={d.path!r} split {d.split!r} has no rows; check data.split")
     return out
 
 

@@ -64,16 +64,29 @@ def token_logprobs(
     return torch.cat(logps).view(n, t), torch.cat(ents).view(n, t)
 
 
+# Per-token estimates of KL(policy || reference) from samples of the policy (Schulman's k1/k2/k3),
+# as functions of x = logp - ref_logp; keys are `rl.kl_estimator`'s choices (launcher/schema.py).
+KL_ESTIMATORS = {
+    "k1": lambda x: x,
+    "k2": lambda x: 0.5 * x.square(),
+    "k3": lambda x: torch.exp(-x) - 1 + x,  # low-variance, always >= 0
+}
+
+
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's k1/k2/k3)."""
-    log_ratio = logp - ref_logp
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.square()
-    if estimator == "k3":  # low-variance, always >= 0: exp(-x) - 1 + x with x = logp - ref_logp
-        return torch.exp(-log_ratio) - 1 + log_ratio
-    raise ValueError(f"unknown kl estimator {estimator!r}")
+    return KL_ESTIMATORS[estimator](logp - ref_logp)
+
+
+# Per-token weights whose masked sum over the whole (global) batch is the aggregated loss; keys
+# are `rl.loss_agg`'s choices. Arguments: mask_NT (float), global tokens, global responses,
+# max_new_tokens.
+AGGREGATIONS = {
+    "token_mean": lambda mask, tokens, responses, budget: mask / tokens,
+    "seq_mean_token_mean": lambda mask, tokens, responses, budget: (
+        mask / (mask.sum(-1, keepdim=True).clamp(min=1) * responses)
+    ),
+    "seq_mean_token_sum_norm": lambda mask, tokens, responses, budget: mask / (budget * responses),
+}
 
 
 def loss_weights(
@@ -84,14 +97,7 @@ def loss_weights(
     max_new_tokens: int,
 ) -> torch.Tensor:
     """Per-token weights whose masked sum over the whole (global) batch is the aggregated loss."""
-    mask = mask_NT.float()
-    if agg == "token_mean":
-        return mask / global_tokens
-    if agg == "seq_mean_token_mean":
-        return mask / (mask.sum(-1, keepdim=True).clamp(min=1) * global_responses)
-    if agg == "seq_mean_token_sum_norm":
-        return mask / (max_new_tokens * global_responses)
-    raise ValueError(f"unknown loss aggregation {agg!r}")
+    return AGGREGATIONS[agg](mask_NT.float(), global_tokens, global_responses, max_new_tokens)
 
 
 def grpo_token_loss(

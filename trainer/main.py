@@ -149,6 +149,12 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
     watchdog.phase(0, "process group")
     device = init_distributed(cfg.device, cfg.trainer.hang_timeout_s)
     ps = ParallelState.build(device, cfg.parallel.dp_replicate_size, cfg.parallel.cp_size)
+    if ps.dp_shard_size != cfg.parallel.dp_shard_size:  # the launcher checked R x S = ranks
+        raise RunError(
+            f"parallel.dp_shard_size={cfg.parallel.dp_shard_size}, but {ps.world_size} ranks "
+            f"started, which with parallel.dp_replicate_size={ps.dp_replicate_size} makes shard "
+            f"groups of {ps.dp_shard_size}; start as many ranks as R x S"
+        )
     print(f"{ps.describe()}, pid {os.getpid()}", flush=True)
     check_shared_run_dir(cfg, ps)
     task = None

@@ -127,10 +127,12 @@ def apply_options(model: nn.Module, m: ModelConfig) -> None:
             layer.compile()
 
 
-def shard_model(model: nn.Module, mesh, mp: MixedPrecisionPolicy) -> FSDPModule:
-    """`fully_shard` each decoder layer (resharded after forward), then the root."""
+def shard_model(
+    model: nn.Module, mesh, mp: MixedPrecisionPolicy, reshard_after_forward: bool = True
+) -> FSDPModule:
+    """`fully_shard` each decoder layer (`model.reshard_after_forward`), then the root."""
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # The root holds embeddings, final norm and (tied) lm_head; backward needs them first,
     # so keeping them gathered after forward saves one all-gather per step.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
@@ -168,7 +170,7 @@ def build_model(
             config, dtype=torch.float32, attn_implementation=m.attn_implementation
         )
     apply_options(model, m)
-    shard_model(model, mesh, mp_policy(m, device.type))
+    shard_model(model, mesh, mp_policy(m, device.type), m.reshard_after_forward)
     model.to_empty(device=device)
     reset_rotary_buffers(model, device)
     state = full_state_dict(m, config, seed) if dist.get_rank() == 0 else {}

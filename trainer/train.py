@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from launcher.run_folder import stop_file
-from launcher.schema import Config, OptimConfig
+from launcher.schema import Config, OptimConfig, rewards_of
 from trainer import checkpoint, micro_batches
 from trainer.data import PromptSampler, Task, load_task
 from trainer.engine import StaticCacheEngine
@@ -118,7 +118,7 @@ def lr_factor(o: OptimConfig, total_steps: int):
     return factor
 
 
-def sequence_logprobs(model: nn.Module, batch: Batch, temperature: float):
+def sequence_logprobs(model: nn.Module, batch: Batch, temperature: float, chunk_tokens: int = 1024):
     """Log-probs and entropies of targets 0 .. L-2 of every row of `batch` (N x T each).
 
     Rows are right-padded, so under the causal mask no real token attends to padding: the
@@ -130,7 +130,7 @@ def sequence_logprobs(model: nn.Module, batch: Batch, temperature: float):
     # the target of the last column does not exist: score a dummy one and drop it, so the logits
     # are never copied (a slice [:, :-1] would be, by the reshape inside token_logprobs)
     targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
-    logp, entropy = token_logprobs(logits, targets, temperature)
+    logp, entropy = token_logprobs(logits, targets, temperature, chunk_tokens)
     return logp[:, :-1], entropy[:, :-1]
 
 
@@ -164,6 +164,7 @@ class GRPOTrainer:
         self.watchdog = watchdog or NoWatchdog()
         self.current_step, self.update_name = 0, "update 1/1"
         self.rl, device = cfg.rl, ps.device
+        self.rewards = rewards_of(cfg.data)
         task = task or load_task(cfg, ps.local_rank, model.config.max_position_embeddings)
         self.tokenizer, self.prompts, self.prompt_ids = (
             task.tokenizer,
@@ -325,7 +326,7 @@ class GRPOTrainer:
         rollout = self.engine.generate(prompt_ids, g, self.sampling)
         texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
         rewards_N = torch.tensor(
-            [score(t, prompts[i // g].answer, self.cfg.data.rewards) for i, t in enumerate(texts)]
+            [score(t, prompts[i // g].answer, self.rewards) for i, t in enumerate(texts)]
         )
         advantages_N = group_advantages(
             rewards_N.view(-1, g), self.rl.std_normalize, self.rl.adv_eps
@@ -362,7 +363,8 @@ class GRPOTrainer:
         out = torch.zeros_like(batch.sampling_logp_NT)
         for k, mb in enumerate(plan):  # the agreed count: every rank runs as many forwards
             self.phase(f"reference, micro-batch {k + 1}/{len(plan)}")
-            logp = sequence_logprobs(self.reference, batch.rows(mb), self.rl.temperature)[0]
+            logp = sequence_logprobs(self.reference, batch.rows(mb), self.rl.temperature,
+                                     self.rl.logprob_chunk_tokens)[0]  # fmt: skip
             if not mb.empty:
                 out[mb.rows, : mb.width - 1] = logp
         return out
@@ -410,7 +412,9 @@ class GRPOTrainer:
             if self.ps.dp_replicate_size > 1:  # all-reduce across replicas once, after the last
                 self.model.set_requires_all_reduce(k == len(plan) - 1)
             mbb = batch.rows(mb)
-            logp, entropy = sequence_logprobs(self.model, mbb, rl.temperature)
+            logp, entropy = sequence_logprobs(
+                self.model, mbb, rl.temperature, rl.logprob_chunk_tokens
+            )
             if first:
                 mbb.old_logp_NT = logp.detach()
                 if not mb.empty:

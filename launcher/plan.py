@@ -20,19 +20,13 @@ Activations are not estimated: they depend on sequence lengths and micro-batch s
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
+from launcher.counting import count_params
+from launcher.paths import local_model_dir
 from launcher.schema import ArchConfig, Config
-from launcher.validate import local_model_dir, world_size
+from launcher.validate import world_size
 
 GIB = 1024**3
-
-
-@dataclass
-class ParamCounts:
-    total: int
-    per_layer: int
-    embedding: int
 
 
 def arch_from_model_dir(cfg: Config) -> ArchConfig:
@@ -47,16 +41,6 @@ def arch_from_model_dir(cfg: Config) -> ArchConfig:
     if "head_dim" not in hf:
         fields["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]
     return ArchConfig(**{**cfg.model.arch.__dict__, **fields})
-
-
-def count_params(a: ArchConfig) -> ParamCounts:
-    h, hd = a.hidden_size, a.head_dim
-    attn = h * a.num_attention_heads * hd * 2 + h * a.num_key_value_heads * hd * 2 + 2 * hd
-    mlp = 3 * h * a.intermediate_size
-    per_layer = attn + mlp + 2 * h
-    embedding = a.vocab_size * h
-    total = embedding * (1 if a.tie_word_embeddings else 2) + a.num_hidden_layers * per_layer + h
-    return ParamCounts(total, per_layer, embedding)
 
 
 def fmt_bytes(n: float) -> str:

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import re
 from pathlib import Path
 
+from launcher.paths import dataset_cached, hub_offline, is_hub_id, local_model_dir
 from launcher.schema import Config, choice_fields, rewards_of
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
@@ -45,48 +43,6 @@ def resolve_device(device: str, visible_gpus: int) -> str:
 
 def world_size(cfg: Config) -> int:
     return cfg.parallel.nnodes * cfg.parallel.nproc_per_node
-
-
-def is_hub_id(path: str) -> bool:
-    return (
-        not Path(path).exists()
-        and bool(HUB_ID.match(path))
-        and not path.startswith((".", "/", "~"))
-    )
-
-
-def local_model_dir(path: str | None) -> Path | None:
-    """The folder holding `path`'s config.json, if it is on this machine (local or HF cache)."""
-    if not path:
-        return None
-    p = Path(path).expanduser()
-    if (p / "config.json").is_file():
-        return p
-    if is_hub_id(path):
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(path, "config.json")
-        if isinstance(cached, str):
-            return Path(cached).parent
-    return None
-
-
-def hub_offline() -> bool:
-    """HF_HUB_OFFLINE (or datasets' own HF_DATASETS_OFFLINE) is set: nothing may be downloaded."""
-    return any(
-        os.environ.get(k, "0").lower() not in ("0", "", "false", "no", "off")
-        for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-    )
-
-
-def dataset_cached(hub_id: str) -> bool:
-    """A hub dataset is on this machine: in the hub's file cache or datasets' Arrow cache."""
-    from huggingface_hub import constants
-
-    org, name = hub_id.split("/")
-    hub = Path(constants.HF_HUB_CACHE) / f"datasets--{org}--{name}" / "snapshots"
-    arrow = Path(os.environ.get("HF_DATASETS_CACHE", Path(constants.HF_HOME) / "datasets"))
-    return (hub.is_dir() and any(hub.iterdir())) or (arrow / f"{org}___{name}").is_dir()
 
 
 def validate_parallel(cfg: Config, visible_gpus: int, check_gpu_count: bool = True) -> None:

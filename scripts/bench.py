@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from trainer.perf import matmul_params, train_flops  # noqa: E402
+from launcher.counting import count_params  # noqa: E402
+from trainer.perf import train_flops  # noqa: E402
 
 WHOLE_CACHE = "rl.decode_attention=sdpa rl.decode_spans=1"  # the plain captured step: the baseline
 
@@ -86,9 +87,7 @@ def preset(name: str, overrides: tuple[str, ...] = ()):
 
 def decode_floor(config, dtype, ceilings, batch: int, prompt: int, new: int) -> float:
     """Seconds to read every weight once per token step, plus the KV cache each step attends over."""
-    weight_bytes = (
-        matmul_params(config) + config.num_hidden_layers * 4 * config.hidden_size
-    ) * dtype.itemsize
+    weight_bytes = count_params(config).read_per_token(config.tie_word_embeddings) * dtype.itemsize
     kv_per_token = (
         config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
     )
@@ -297,7 +296,7 @@ def main() -> None:
 
     config = hf_config(cfg.model)
     r = {"date": datetime.date.today().isoformat(), "device_name": torch.cuda.get_device_name() if gpu else "cpu",
-         "torch": torch.__version__, "model": name, "params_matmul": matmul_params(config), "ceilings": ceilings}  # fmt: skip
+         "torch": torch.__version__, "model": name, "params_matmul": count_params(config).matmul, "ceilings": ceilings}  # fmt: skip
     shapes = [(64, 128, 256), (256, 128, 256)] if gpu else [(4, 8, 8)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,8 @@ import torch
 from conftest import compose_config, launch
 from transformers import AutoModelForCausalLM
 
-from launcher.plan import count_params, mesh_groups, plan
+from launcher.counting import count_params
+from launcher.plan import mesh_groups, plan
 from trainer.model import hf_config
 
 
@@ -15,9 +16,11 @@ def test_param_count_matches_the_transformers_model():
         cfg = compose_config(f"model={preset}", "model.init=random")
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(hf_config(cfg.model))
-        assert count_params(cfg.model.arch).total == sum(p.numel() for p in model.parameters()), (
-            preset
-        )
+        counts = count_params(cfg.model.arch)
+        assert counts.total == sum(p.numel() for p in model.parameters()), preset
+        linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+        assert counts.matmul == linear, preset  # what MFU counts: every matmul, lm_head included
+        assert count_params(model.config) == counts  # the same from transformers' own config
 
 
 def test_mesh_groups_are_contiguous_shards_and_strided_replicas():

@@ -14,8 +14,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher.paths import is_hub_id
 from launcher.schema import Config, DataConfig
-from launcher.validate import is_hub_id
 from trainer.errors import RunError
 
 

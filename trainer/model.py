@@ -25,8 +25,8 @@ from transformers import (
     Qwen3Config,
 )
 
+from launcher.paths import local_model_dir
 from launcher.schema import ModelConfig
-from launcher.validate import local_model_dir
 
 SHIPPED_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -18,20 +18,15 @@ import resource
 
 import torch
 
+from launcher.counting import count_params
+
 DATASHEET_BF16_TFLOPS = {"H200": 989.5, "H100": 989.5, "A100": 312.0, "L40S": 362.0}
-
-
-def matmul_params(config) -> int:
-    h, hd = config.hidden_size, config.head_dim
-    attn = h * config.num_attention_heads * hd * 2 + h * config.num_key_value_heads * hd * 2
-    mlp = 3 * h * config.intermediate_size
-    return config.num_hidden_layers * (attn + mlp) + config.vocab_size * h
 
 
 def train_flops(config, tokens: float, sum_sq_len: float) -> float:
     """Forward + backward FLOPs for `tokens` tokens in sequences whose squared lengths sum to sum_sq_len."""
     attn = 6 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * sum_sq_len
-    return 6 * matmul_params(config) * tokens + attn
+    return 6 * count_params(config).matmul * tokens + attn
 
 
 def peak_flops(device: torch.device, peak_tflops: float) -> float | None:

@@ -1,7 +1,8 @@
-"""Write docs/configuration.md from the schema (launcher/schema.py) and the presets in conf/.
+"""Write docs/configuration.md from the schema (launcher/schema.py) and the presets in conf/,
+and the table of docs/metrics.md from the metric names (trainer/stats.py, METRICS).
 
-python scripts/gen_config_docs.py          # rewrite the file
-python scripts/gen_config_docs.py --check  # exit 1 if it is stale (run by the tests)
+python scripts/gen_config_docs.py          # rewrite both
+python scripts/gen_config_docs.py --check  # exit 1 if either is stale (run by the tests)
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from launcher import schema
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "configuration.md"
+METRICS_DOC = ROOT / "docs" / "metrics.md"
+TABLE_START = "<!-- metrics table: generated from trainer/stats.py (METRICS) by scripts/gen_config_docs.py -->"
+TABLE_END = "<!-- end metrics table -->"
 
 
 def field_comments(cls: type) -> dict[str, str]:
@@ -124,13 +128,25 @@ def render() -> str:
     return "\n".join(head + body + [""] + cross_group_settings()).rstrip() + "\n"
 
 
+def render_metrics() -> str:
+    from trainer.stats import METRICS
+
+    text = METRICS_DOC.read_text()
+    head, rest = text.split(TABLE_START)
+    tail = rest.split(TABLE_END)[1]
+    rows = [f"| `{k}` | {v.replace('|', chr(92) + '|')} |" for k, v in METRICS.items()]
+    table = "\n".join([TABLE_START, "| key | meaning |", "|---|---|", *rows, TABLE_END])
+    return head + table + tail
+
+
 if __name__ == "__main__":
-    text = render()
+    outputs = {OUT: render(), METRICS_DOC: render_metrics()}
     if "--check" in sys.argv:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT.relative_to(ROOT)} is stale: run python scripts/gen_config_docs.py")
-            sys.exit(1)
-    else:
-        OUT.parent.mkdir(exist_ok=True)
-        OUT.write_text(text)
-        print(f"wrote {OUT.relative_to(ROOT)}")
+        stale = [p for p, text in outputs.items() if not p.exists() or p.read_text() != text]
+        for p in stale:
+            print(f"{p.relative_to(ROOT)} is stale: run python scripts/gen_config_docs.py")
+        sys.exit(1 if stale else 0)
+    for p, text in outputs.items():
+        p.parent.mkdir(exist_ok=True)
+        p.write_text(text)
+        print(f"wrote {p.relative_to(ROOT)}")

@@ -225,3 +225,57 @@ def export_hf(model, tokenizer, out_dir: str | Path, dtype: torch.dtype) -> Path
         save_hf(model, state, tokenizer, out_dir, dtype)
     dist.barrier()
     return out_dir
+
+
+class Checkpointer:
+    """When to save, where, and the final export: the run's checkpoint policy in one place.
+
+    Saves after step N when asked to stop, at the last step (`trainer.save_final`) and every
+    `trainer.save_every` steps; every input is the same on every rank (the step, and a stop
+    agreed over the group), so every rank saves together. Exports at the end (`trainer.export_hf`)."""
+
+    def __init__(self, cfg, model, optimizer, scheduler, tokenizer, layout: dict, device_type: str):
+        from trainer.model import export_dtype
+
+        self.cfg, self.t = cfg, cfg.trainer
+        self.model, self.optimizer, self.scheduler, self.tokenizer = (
+            model,
+            optimizer,
+            scheduler,
+            tokenizer,
+        )
+        self.layout = layout
+        self.export_dtype = export_dtype(cfg.model, self.t.export_dtype, device_type)
+
+    def resume(self) -> int:
+        """Collective: load `trainer.resume` (a checkpoint the launcher chose); the step it ended."""
+        if self.t.resume == "none":
+            return 0
+        return load(self.model, self.optimizer, self.scheduler, self.t.resume)
+
+    def due(self, step: int, stopping: bool) -> bool:
+        t = self.t
+        return (
+            stopping
+            or (step == t.max_steps and t.save_final)
+            or bool(t.save_every and step % t.save_every == 0)
+        )
+
+    def maybe_save(self, step: int, stopping: bool) -> Path | None:
+        """Collective when due: the checkpoint of `step`, or None."""
+        if not self.due(step, stopping):
+            return None
+        path = save(self.model, self.optimizer, self.scheduler, step, self.cfg.run_dir,
+                    self.layout, self.t.keep_last)  # fmt: skip
+        print(f"checkpoint: {path}", flush=True)
+        return path
+
+    def export(self) -> Path | None:
+        """Collective: the final weights in Hugging Face format, if `trainer.export_hf`."""
+        if not self.t.export_hf:
+            return None
+        out = export_hf(
+            self.model, self.tokenizer, Path(self.cfg.run_dir) / "hf", self.export_dtype
+        )
+        print(f"exported Hugging Face weights: {out}", flush=True)
+        return out

@@ -45,21 +45,3 @@ def peak_memory_gb(device: torch.device) -> float:
         torch.cuda.reset_peak_memory_stats(device)
         return peak
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
-
-
-def perf_metrics(
-    r: dict[str, float], config, world: int, updates: int, peak: float | None
-) -> dict[str, float]:
-    """From dp-reduced sums and max-over-ranks times (see GRPOTrainer.summarize)."""
-    tokens = r["prompt_tokens"] + r["response_len_sum"]
-    out = {
-        "perf/tokens_per_s": tokens / r["time/step_s"],
-        "perf/tokens_per_s_per_gpu": tokens / r["time/step_s"] / world,
-        "perf/rollout_tokens_per_s": r["response_len_sum"] / r["time/rollout_s"],
-        "perf/train_tokens_per_s": tokens * updates / r["time/train_s"],
-        "perf/peak_mem_gb": r["perf/peak_mem_gb"],
-    }
-    if peak is not None:
-        flops = updates * train_flops(config, tokens, r["sum_sq_len"])
-        out["perf/mfu"] = flops / (r["time/train_s"] * world * peak)
-    return out

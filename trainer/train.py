@@ -15,7 +15,6 @@ import math
 import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,14 +26,15 @@ from trainer import checkpoint, micro_batches
 from trainer.data import PromptSampler, Task, load_task
 from trainer.engine import StaticCacheEngine
 from trainer.grpo import group_advantages, grpo_token_loss, loss_weights, token_logprobs
-from trainer.metrics import DPSums, MetricsLogger
+from trainer.metrics import MetricsLogger
 from trainer.micro_batches import MicroBatch
-from trainer.model import build_model, compute_dtype, export_dtype
+from trainer.model import build_model, compute_dtype
 from trainer.parallel import ParallelState, any_rank
-from trainer.perf import peak_flops, peak_memory_gb, perf_metrics
+from trainer.perf import peak_flops, peak_memory_gb
 from trainer.replicas import check_replicas
 from trainer.rewards import score
 from trainer.rollout import HFRolloutEngine, Rollout, RolloutEngine, SamplingParams
+from trainer.stats import StepStats
 from trainer.watchdog import NoWatchdog
 
 
@@ -201,6 +201,8 @@ class GRPOTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_factor(o, total_updates)
         )
+        self.checkpointer = checkpoint.Checkpointer(cfg, model, self.optimizer, self.scheduler,
+                                                    self.tokenizer, self.layout(), device.type)  # fmt: skip
         self.metrics = MetricsLogger(cfg, is_main=ps.rank == 0)
         self.dp_group = ps.get_mesh("dp").get_group()
         self.peak_flops = peak_flops(device, cfg.trainer.peak_tflops)
@@ -219,88 +221,66 @@ class GRPOTrainer:
             torch.cuda.synchronize()
 
     def train(self) -> None:
-        t = self.cfg.trainer
-        for step in range(self.resume() + 1, t.max_steps + 1):
+        """Steps until trainer.max_steps or a stop agreed by every rank; saves as the
+        checkpointer's policy says; exports at the end of a run that was not stopped."""
+        step, stopping = self.resume(), False
+        while step < self.cfg.trainer.max_steps and not stopping:
+            step += 1
             self.metrics.log(self.step(step))
             self.phase("stop decision")
-            stop = self.stop_requested()
-            if (
-                stop
-                or (step == t.max_steps and t.save_final)
-                or (t.save_every and step % t.save_every == 0)
-            ):
-                self.phase("checkpoint")
-                path = checkpoint.save(
-                    self.model,
-                    self.optimizer,
-                    self.scheduler,
-                    step,
-                    self.cfg.run_dir,
-                    self.layout(),
-                    t.keep_last,
-                )
-                print(f"checkpoint: {path}", flush=True)
-            if stop:
-                print(f"stopped by request after step {step}", flush=True)
-                break
+            stopping = self.stop_requested()
+            self.phase("checkpoint")
+            self.checkpointer.maybe_save(step, stopping)
+        if stopping:
+            print(f"stopped by request after step {step}", flush=True)
         else:
-            if t.export_hf:
-                self.phase("export")
-                dtype = export_dtype(self.cfg.model, t.export_dtype, self.ps.device.type)
-                out = checkpoint.export_hf(
-                    self.model, self.tokenizer, Path(self.cfg.run_dir) / "hf", dtype
-                )
-                print(f"exported Hugging Face weights: {out}", flush=True)
+            self.phase("export")
+            self.checkpointer.export()
         self.metrics.close()
 
     def step(self, step: int) -> dict[str, float]:
         """One GRPO step; returns its metrics, reduced over the dp ranks."""
-        sums = DPSums(self.ps.device)
-        self.current_step = step
-        t0 = time.perf_counter()
+        stats, self.current_step = StepStats(self.ps.device), step
+        clock = [time.perf_counter()]
+
+        def lap() -> None:
+            self.sync()
+            clock.append(time.perf_counter())
+
         self.phase("rollout")
-        batch = self.rollout(step, sums)
-        self.sync()
-        t1 = time.perf_counter()
-        plan = self.micro_batches(batch, sums)
+        batch = self.rollout(step, stats)
+        lap()
+        plan = self.micro_batches(batch, stats)
         if self.reference is not None:
             batch.ref_logp_NT = self.reference_logprobs(batch, plan)
-        self.sync()
-        t2 = time.perf_counter()
-        self.update(batch, plan, sums)
-        self.sync()
-        t3 = time.perf_counter()
-        every = self.cfg.trainer.check_replicas_every
-        if every and self.ps.dp_replicate_size > 1 and step % every == 0:  # same step on all ranks
-            self.phase("replica check")
-            replicate_group = self.ps.get_mesh("fsdp").get_group("dp_replicate")
-            sums.max(
-                "train/replica_max_diff",
-                check_replicas(self.model, replicate_group, self.ps.device, step),
-            )
+        lap()
+        self.update(batch, plan, stats)
+        lap()
+        self.check_replicas(step, stats)
         self.phase("weight refresh")
         self.engine.load_weights(self.model)
-        self.sync()
-        t4 = time.perf_counter()
-        sums.max("perf/peak_mem_gb", peak_memory_gb(self.ps.device))
-        times = {
-            "rollout": t1 - t0,
-            "ref": t2 - t1,
-            "train": t3 - t2,
-            "sync": t4 - t3,
-            "step": t4 - t0,
-        }
-        for name, seconds in times.items():
-            sums.max(f"time/{name}_s", seconds)
+        lap()
+        t = clock
+        stats.times({"rollout": t[1] - t[0], "ref": t[2] - t[1], "train": t[3] - t[2],
+                     "sync": t[4] - t[3], "step": t[4] - t[0]}, peak_memory_gb(self.ps.device))  # fmt: skip
         self.phase("metrics")
-        return self.summarize(step, sums.reduce(self.dp_group))
+        return stats.finish(step, self.dp_group, self.model.config, self.ps.world_size,
+                            self.rl.updates_per_step, self.peak_flops)  # fmt: skip
+
+    def check_replicas(self, step: int, stats: StepStats) -> None:
+        """Every trainer.check_replicas_every steps (the same steps on every rank), under HSDP."""
+        every = self.cfg.trainer.check_replicas_every
+        if every and self.ps.dp_replicate_size > 1 and step % every == 0:
+            self.phase("replica check")
+            group = self.ps.get_mesh("fsdp").get_group("dp_replicate")
+            stats.replicas(check_replicas(self.model, group, self.ps.device, step))
 
     def resume(self) -> int:
         """Load `trainer.resume` (resolved to a checkpoint folder by the launcher); the step it ends."""
         if self.cfg.trainer.resume == "none":
             return 0
         self.phase("resume")
-        step = checkpoint.load(self.model, self.optimizer, self.scheduler, self.cfg.trainer.resume)
+        step = self.checkpointer.resume()
         self.engine.load_weights(self.model)
         self.metrics.truncate(step)
         if self.ps.rank == 0:
@@ -316,7 +296,7 @@ class GRPOTrainer:
         return {"world_size": self.ps.world_size, "dp_replicate_size": self.ps.dp_replicate_size,
                 "dp_shard_size": self.ps.dp_shard_size}  # fmt: skip
 
-    def rollout(self, step: int, sums: DPSums) -> Batch:
+    def rollout(self, step: int, stats: StepStats) -> Batch:
         g = self.rl.samples_per_prompt
         indices = self.sampler.indices(step - 1)
         prompts = [self.prompts[i] for i in indices]
@@ -334,16 +314,10 @@ class GRPOTrainer:
         batch = collate(
             rollout, rewards_N, advantages_N, self.tokenizer.pad_token_id, self.ps.device
         )
-        sums.add("responses", batch.size)
-        sums.add("reward_sum", batch.rewards_N.sum())
-        sums.add("reward_sq_sum", batch.rewards_N.square().sum())
-        sums.add("response_len_sum", batch.response_len_N.sum())
-        sums.add("truncated_sum", batch.truncated_N.sum())
-        sums.add("prompt_tokens", sum(len(p) for p in rollout.prompt_ids))
-        sums.add("sum_sq_len", batch.attention_mask_NL.sum(-1).double().square().sum())
+        stats.rollout(batch, sum(len(p) for p in rollout.prompt_ids))
         return batch
 
-    def micro_batches(self, batch: Batch, sums: DPSums | None = None) -> list[MicroBatch]:
+    def micro_batches(self, batch: Batch, stats: StepStats | None = None) -> list[MicroBatch]:
         """Collective: this rank's micro-batches for the step, as many as every other rank runs
         (the count is all-reduced over dp; see trainer/micro_batches.py). One plan serves the
         reference pass and every update of the step: the rows do not change in between."""
@@ -352,10 +326,8 @@ class GRPOTrainer:
         needed = micro_batches.local_count(lengths, rl.micro_batch_responses, rl.micro_batch_tokens)
         count = micro_batches.agreed_count(needed, self.dp_group, self.ps.device)
         plan = micro_batches.split(lengths, count, rl.micro_batch_tokens)
-        if sums is not None:
-            sums.max("train/micro_batches", count)
-            sums.min("train/micro_batches_needed_min", needed)
-            sums.add("idle_micro_batches", sum(mb.empty for mb in plan))
+        if stats is not None:
+            stats.plan(count, needed, sum(mb.empty for mb in plan))
         return plan
 
     @torch.no_grad()
@@ -369,18 +341,16 @@ class GRPOTrainer:
                 out[mb.rows, : mb.width - 1] = logp
         return out
 
-    def update(self, batch: Batch, plan: list[MicroBatch], sums: DPSums) -> None:
+    def update(self, batch: Batch, plan: list[MicroBatch], stats: StepStats) -> None:
         """`rl.updates_per_step` optimizer steps on this rollout batch."""
         self.prepare_update(batch)
         grad_norms = []
         for u in range(self.rl.updates_per_step):  # a config value: the same on every rank
             self.update_name = f"update {u + 1}/{self.rl.updates_per_step}"
-            self.backward(batch, plan, first=u == 0, sums=sums)
+            self.backward(batch, plan, first=u == 0, stats=stats)
             self.phase(f"{self.update_name}, optimizer step")
             grad_norms.append(self.optimizer_step())
-        # The norm is global (the same on every rank), so max over ranks is that value.
-        sums.max("train/grad_norm", sum(grad_norms) / len(grad_norms))
-        sums.max("train/skipped_updates", float(sum(not math.isfinite(g) for g in grad_norms)))
+        stats.update(grad_norms, self.last_lr)
 
     def prepare_update(self, batch: Batch) -> None:
         """Collective: the loss weights (from global counts) and room for the old log-probs."""
@@ -398,7 +368,7 @@ class GRPOTrainer:
             batch.mask_NT, self.rl.loss_agg, global_tokens, global_responses, self.rl.max_new_tokens
         )
 
-    def backward(self, batch: Batch, plan: list[MicroBatch], first: bool, sums: DPSums) -> None:
+    def backward(self, batch: Batch, plan: list[MicroBatch], first: bool, stats: StepStats) -> None:
         """Accumulate the gradient of the global loss over this rank's micro-batches.
 
         `plan` has the agreed count (`micro_batches`), so every rank runs the same number of
@@ -419,7 +389,7 @@ class GRPOTrainer:
                 mbb.old_logp_NT = logp.detach()
                 if not mb.empty:
                     batch.old_logp_NT[mb.rows, : mb.width - 1] = mbb.old_logp_NT
-            token_loss, stats = grpo_token_loss(
+            token_loss, terms = grpo_token_loss(
                 logp, mbb.old_logp_NT, mbb.advantages_N, rl.clip_low, rl.clip_high,
                 ref_logp=mbb.ref_logp_NT, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
                 entropy=entropy if rl.entropy_coef > 0 else entropy.detach(), entropy_coef=rl.entropy_coef,
@@ -428,15 +398,8 @@ class GRPOTrainer:
             # FSDP averages gradients over the dp ranks; the weights already divide by global
             # counts, so scaling by dp makes the result the gradient of the global loss.
             (loss * self.ps.dp_size).backward()
-            mask = mbb.mask_NT
-            sums.add("loss", loss.detach())
-            for name, per_token in stats.items():
-                sums.add(f"{name}_sum", (per_token * mask).sum())
-                if first:
-                    sums.add(f"first_{name}_sum", (per_token * mask).sum())
-            if first:
-                diff = (logp.detach() - mbb.sampling_logp_NT).abs()
-                sums.add("logprob_diff_sum", (diff * mask).sum())
+            diff = (logp.detach() - mbb.sampling_logp_NT).abs() if first else None
+            stats.micro_batch(loss, terms, mbb.mask_NT, first, diff)
 
     def optimizer_step(self) -> float:
         """Clip on the global norm of the sharded gradients and step; skip a non-finite update."""
@@ -461,36 +424,3 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.last_lr = lr
         return grad_norm.item()
-
-    def summarize(self, step: int, r: dict[str, float]) -> dict[str, float]:
-        n, updates = r["responses"], self.rl.updates_per_step
-        tokens = r["response_len_sum"]
-        mean = r["reward_sum"] / n
-        out = {
-            "step": step,
-            "rollout/reward_mean": mean,
-            "rollout/reward_std": math.sqrt(max(0.0, r["reward_sq_sum"] / n - mean * mean)),
-            "rollout/response_len_mean": tokens / n,
-            "rollout/truncated_frac": r["truncated_sum"] / n,
-            "train/loss": r["loss"] / updates,
-            "train/pg_loss": r["pg_loss_sum"] / (tokens * updates),
-            "train/kl": r.get("kl_sum", 0.0) / (tokens * updates),
-            "train/first_kl": r.get("first_kl_sum", 0.0) / tokens,
-            "train/ppo_kl": r["ppo_kl_sum"] / (tokens * updates),
-            "train/clipfrac": r["clipfrac_sum"] / (tokens * updates),
-            "train/first_ppo_kl": r["first_ppo_kl_sum"] / tokens,
-            "train/first_clipfrac": r["first_clipfrac_sum"] / tokens,
-            "train/entropy": r["entropy_sum"] / (tokens * updates),
-            "train/grad_norm": r["train/grad_norm"],
-            "train/lr": self.last_lr,
-            "train/skipped_updates": r["train/skipped_updates"],
-            "train/rollout_logprob_diff": r["logprob_diff_sum"] / tokens,
-            "train/micro_batches": r["train/micro_batches"],
-            "train/micro_batches_needed_min": r["train/micro_batches_needed_min"],
-            "train/idle_micro_batches": r["idle_micro_batches"],
-        }
-        out.update({k: v for k, v in r.items() if k.startswith("time/")})
-        if "train/replica_max_diff" in r:  # on the steps it is checked
-            out["train/replica_max_diff"] = r["train/replica_max_diff"]
-        out.update(perf_metrics(r, self.model.config, self.ps.world_size, updates, self.peak_flops))
-        return out

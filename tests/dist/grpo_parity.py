@@ -24,11 +24,11 @@ from transformers import AutoModelForCausalLM
 
 from launcher import schema
 from trainer.grpo import grpo_token_loss, loss_weights, token_logprobs
-from trainer.metrics import DPSums
 from trainer.micro_batches import local_count
 from trainer.model import build_model, full_state_dict, hf_config
 from trainer.parallel import ParallelState
 from trainer.rollout import Rollout
+from trainer.stats import StepStats
 from trainer.train import GRPOTrainer, collate
 
 RTOL, ATOL = 2e-5, 2e-6
@@ -118,12 +118,12 @@ def main(run_dir: str, out_path: str, *replicates: str) -> None:
                 ps = ParallelState.build(torch.device("cpu"), r)
                 model = build_model(run_cfg.model, ps.get_mesh("fsdp"), ps.device, seed=0)
                 trainer = GRPOTrainer(run_cfg, ps, model)
-                sums = DPSums(ps.device)
-                plan = trainer.micro_batches(local, sums)
+                stats = StepStats(ps.device)
+                plan = trainer.micro_batches(local, stats)
                 local.ref_logp_NT = rows_of(batch, rows).ref_logp_NT
                 own_ref = trainer.reference_logprobs(local, plan)  # the frozen copy: seed-0 init
                 trainer.prepare_update(local)
-                trainer.backward(local, plan, first=True, sums=sums)
+                trainer.backward(local, plan, first=True, stats=stats)
                 grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
                 key = f"{agg}/r{r}s{world // r}/" + (f"tokens{micro_tokens}" if micro_tokens else "responses2")
                 err_ref = torch.tensor(ratio(own_ref * local.mask_NT, ref_logp[rows]))
@@ -134,7 +134,7 @@ def main(run_dir: str, out_path: str, *replicates: str) -> None:
                 counts = [None] * world
                 dist.all_gather_object(counts, mine)
                 needs[key] = counts
-                sums.reduce(trainer.dp_group)  # the same names on every rank, or this would hang
+                stats.sums.reduce(trainer.dp_group)  # the same names on every rank, or this hangs
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"results": results, "needs": needs}, f, indent=1)

@@ -5,7 +5,7 @@ import torch
 from conftest import compose_config
 from transformers import AutoModelForCausalLM
 
-from trainer.engine import StaticCacheEngine
+from trainer.engine import StaticCacheEngine, sample
 from trainer.model import hf_config
 from trainer.rollout import SamplingParams
 from trainer.train import collate, sequence_logprobs
@@ -54,13 +54,11 @@ def test_sampling_logprobs_match_the_training_forward(top_p, spans, attention):
 
 
 def test_top_p_keeps_sampling_inside_the_nucleus():
-    config = hf_config(compose_config().model)
-    engine = StaticCacheEngine(config, torch.float32, torch.device("cpu"), compile=False)
-    engine.params = SamplingParams(
+    params = SamplingParams(
         temperature=1.0, top_p=0.5, max_new_tokens=1, eos_token_id=0, pad_token_id=0
     )
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.45, 0.35]])).repeat(500, 1)
-    tokens, logp = engine.sample(logits)
+    tokens, logp = sample(logits, params)
     assert set(tokens[0::2].tolist()) == {0}  # 0.6 alone covers 0.5
     assert set(tokens[1::2].tolist()) == {1, 2}  # 0.45 does not: the next token joins
     torch.testing.assert_close(logp[0], torch.log(torch.tensor(0.6)))

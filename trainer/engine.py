@@ -1,17 +1,18 @@
 """The GPU rollout engine: static KV cache, one-pass prefill, a captured decode step.
 
 Decoding is bound by reading the weights and the KV cache once per token step. This engine
-keeps that the only work: the KV cache is allocated once at its full size (batch x
-(prompt + max_new_tokens)); the prompt is prefilled in one forward; each decode step (all
-layers, the lm_head, temperature / top-p sampling and the sampled token's log-prob) is one
-function, optionally compiled by torch.compile (fusing the elementwise work) and captured
-once as a CUDA graph, then replayed every token with no Python or launch overhead. The
-forward is written here against the Qwen3 modules' own weights (the same tensors the
-trainer refreshes), so it depends on the module layout, not on transformers' internals.
+keeps that the only work, in four pieces, one job each:
 
-Projections that read the same input are one matmul: q/k/v and gate/up each live in one
-fused weight, and the modules' own parameters become row views of it, so the refresh (which
-copies into those parameters) fills the fused weight with no extra memory or copy.
+- `FusedQwen3`: the Qwen3 forward over a static KV cache, written against the modules' own
+  weights (the same tensors the trainer refreshes), with q/k/v and gate/up each one matmul: the
+  modules' own parameters become row views of one fused weight, so the refresh (which copies
+  into those parameters) fills the fused weight with no extra memory or copy. It owns the cache,
+  allocated once at its full size (batch x (prompt + max_new_tokens), rounded up to 64).
+- `sample`: temperature / top-p sampling and the sampled token's log-prob, one pass.
+- `CapturedSteps`: each decode step (all layers, the lm_head, sampling) as one function,
+  compiled by torch.compile and captured once as a CUDA graph per (span, cache length), then
+  replayed every token with no Python or launch overhead.
+- `StaticCacheEngine.generate`: left-pad, prefill, replay decode steps, trim at EOS.
 
 Decode attention is either SDPA over a span of the cache (`spans`: the first 1/n, 2/n, ... of
 it, each span its own compiled step) or a Triton split-K kernel (trainer/decode_attention.py)
@@ -28,7 +29,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer import decode_attention as triton_attention
-from trainer.rollout import HFRolloutEngine, Rollout, SamplingParams, trim_at_eos
+from trainer.rollout import (
+    Rollout,
+    SamplingParams,
+    copy_sharded_weights,
+    inference_copy,
+    left_pad,
+    trim_at_eos,
+)
+
+CACHE_ALIGN = 64  # cache lengths and attention spans end on a multiple of this many columns
 
 
 def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -58,31 +68,52 @@ def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | No
     return weight, bias
 
 
-class StaticCacheEngine(HFRolloutEngine):
-    """Same interface and weights as HFRolloutEngine; generation is the static-cache loop."""
+def sample(logits_BV: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample under softmax(logits / T) restricted to the top-p nucleus; log-prob under the full one."""
+    logp = F.log_softmax(logits_BV.float() / params.temperature, dim=-1)
+    probs = logp.exp()
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p > params.top_p  # keep the first token always
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    # exponential race: argmax p / E with E ~ Exp(1) is a draw from p (one pass, no multinomial)
+    token = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
-    span_align = 64  # attention spans end on a multiple of this many cache columns
 
-    def __init__(self, config, dtype: torch.dtype, device: torch.device, compile: bool = True,
-                 cuda_graph: bool | None = None, spans: int = 1, attention: str = "sdpa"):  # fmt: skip
-        super().__init__(config, dtype, device, attn_implementation="sdpa")
-        self.config, self.dtype = config, dtype
-        # decode steps: `sdpa` over a span of the cache, or the `triton` split-K kernel
-        self.attention = attention
+class FusedQwen3:
+    """The Qwen3 forward over its own static KV cache (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device, attention: str):
+        self.model, self.config, self.dtype, self.device = model, model.config, dtype, device
+        self.attention = attention  # decode steps: `sdpa` over a span, or the `triton` kernel
         if attention == "triton":
             triton_attention.load()
-        self.compile = compile
-        self.cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
-        inv_freq = self.model.model.rotary_emb.inv_freq
-        self.inv_freq = inv_freq.float().to(device)
+        self.inv_freq = model.model.rotary_emb.inv_freq.float().to(device)
         self.qkv = [fuse_rows([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
-                    for layer in self.model.model.layers]  # fmt: skip
+                    for layer in model.model.layers]  # fmt: skip
         self.gate_up = [fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj])
-                        for layer in self.model.model.layers]  # fmt: skip
-        self.spans = spans
+                        for layer in model.model.layers]  # fmt: skip
         self.shape: tuple[int, int] | None = None  # (batch, cache length) the buffers are sized for
 
-    # -- the model, on our own cache -------------------------------------------------------------
+    def allocate(self, batch: int, length: int) -> bool:
+        """Cache and step buffers for `batch` rows of `length` columns; False if the current
+        ones already serve (same batch, at least as long)."""
+        if self.shape is not None and self.shape[0] == batch and self.shape[1] >= length:
+            return False
+        cfg, dev = self.config, self.device
+        shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)
+        layers = range(cfg.num_hidden_layers)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in layers]
+        self.key_valid = torch.zeros((batch, length), dtype=torch.bool, device=dev)
+        # the decode step's inputs and outputs, static so that a captured graph can read and write them
+        self.tok = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.col = torch.zeros(1, dtype=torch.long, device=dev)
+        self.logp = torch.zeros(batch, dtype=torch.float32, device=dev)
+        self.shape = (batch, length)
+        return True
 
     def rope(self, pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = pos_BT[..., None].float() * self.inv_freq
@@ -132,69 +163,36 @@ class StaticCacheEngine(HFRolloutEngine):
             x = x + layer.mlp.down_proj(F.silu(gate) * up)
         return self.model.lm_head(rms_norm(x[:, -1], m.norm))
 
-    def sample(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample under softmax(logits / T) restricted to the top-p nucleus; log-prob under the full one."""
-        logp = F.log_softmax(logits_BV.float() / self.params.temperature, dim=-1)
-        probs = logp.exp()
-        if self.params.top_p < 1.0:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > self.params.top_p  # keep the first token always
-            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        # exponential race: argmax p / E with E ~ Exp(1) is a draw from p (one pass, no multinomial)
-        token = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
-        return token, logp.gather(-1, token[:, None]).squeeze(-1)
-
-    # -- buffers and the captured step -----------------------------------------------------------
-
-    def allocate(self, batch: int, length: int) -> None:
-        if self.shape is not None and self.shape[0] == batch and self.shape[1] >= length:
-            return
-        cfg, dev = self.config, self.device
-        shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)
-        self.k_cache = [
-            torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(cfg.num_hidden_layers)
-        ]
-        self.v_cache = [
-            torch.zeros(shape, dtype=self.dtype, device=dev) for _ in range(cfg.num_hidden_layers)
-        ]
-        self.key_valid = torch.zeros((batch, length), dtype=torch.bool, device=dev)
-        # the step's inputs and outputs, static so that a captured graph can read and write them
-        self.tok = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(batch, dtype=torch.long, device=dev)
-        self.col = torch.zeros(1, dtype=torch.long, device=dev)
-        self.logp = torch.zeros(batch, dtype=torch.float32, device=dev)
-        self.shape = (batch, length)
-        self.steps, self.graphs, self.pool = {}, {}, None
-
-    def span(self, col: int) -> int:
-        """Cache columns a step writing column `col` attends over: the first of `spans` fixed
-        fractions of the cache (rounded up to 64 columns) that holds it. The fractions depend only
-        on the cache length, so at most `spans` steps are ever compiled for one buffer size."""
-        length, align = self.shape[1], self.span_align
-        if self.attention == "triton":  # the kernel bounds its reads itself: one step for all
-            return length
-        for k in range(1, self.spans):
-            bound = min(length, -(-k * length // self.spans // align) * align)
-            if col < bound:
-                return bound
-        return length
-
-    def decode_step(self, span: int) -> None:
+    def decode_step(self, span: int, params: SamplingParams) -> None:
         """Read self.tok at self.pos into cache column self.col; leave the next token and its log-prob."""
         self.key_valid.index_fill_(1, self.col, True)
         mask = self.key_valid[:, None, None, :span]
         logits = self.forward(self.tok[:, None], self.pos[:, None], self.col, mask)
-        token, logp = self.sample(logits)
+        token, logp = sample(logits, params)
         self.tok.copy_(token)
         self.logp.copy_(logp)
         self.pos.add_(1)
 
+
+class CapturedSteps:
+    """Decode steps of a `FusedQwen3`, one per attention span: compiled once, captured once as a
+    CUDA graph for the current buffers (all graphs share one memory pool, and run one at a time),
+    replayed every token. `reset` forgets them when the buffers or the sampling change."""
+
+    def __init__(self, net: FusedQwen3, compile: bool, cuda_graph: bool):
+        self.net, self.compile, self.cuda_graph = net, compile, cuda_graph
+        self.reset(None)
+
+    def reset(self, params: SamplingParams | None) -> None:
+        self.params = params  # temperature and top-p are baked into the compiled steps
+        self.steps, self.graphs, self.pool = {}, {}, None
+
     def replay(self, span: int) -> None:
-        """One decode step over `span` cache columns: compiled and captured once per span."""
+        """One decode step over `span` cache columns."""
         if span not in self.steps:  # each span is its own compiled graph (a recompile per span)
 
             def step() -> None:
-                self.decode_step(span)
+                self.net.decode_step(span, self.params)
 
             self.steps[span] = (
                 torch.compile(step, fullgraph=True, dynamic=False) if self.compile else step
@@ -210,59 +208,93 @@ class StaticCacheEngine(HFRolloutEngine):
                     self._snapshot_step(span)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):  # graphs run one at a time: one pool
+            with torch.cuda.graph(graph, pool=self.pool):
                 self.steps[span]()
             self.graphs[span], self.pool = graph, self.pool or graph.pool()
         self.graphs[span].replay()
 
     def _snapshot_step(self, span: int) -> None:
         """A warm-up step that leaves every buffer as it found it."""
-        saved = [t.clone() for t in (self.tok, self.pos, self.logp, self.key_valid)]
+        n = self.net
+        buffers = (n.tok, n.pos, n.logp, n.key_valid)
+        saved = [t.clone() for t in buffers]
         self.steps[span]()
-        for t, s in zip((self.tok, self.pos, self.logp, self.key_valid), saved):
+        for t, s in zip(buffers, saved):
             t.copy_(s)
 
-    # -- the engine interface --------------------------------------------------------------------
+
+class StaticCacheEngine:
+    """The rollout engine on GPUs: same interface and weights as HFRolloutEngine, generation by
+    the static-cache loop."""
+
+    def __init__(self, config, dtype: torch.dtype, device: torch.device, compile: bool = True,
+                 cuda_graph: bool | None = None, spans: int = 1, attention: str = "sdpa"):  # fmt: skip
+        self.model = inference_copy(config, dtype, device)
+        self.device, self.spans = device, spans
+        self.net = FusedQwen3(self.model, dtype, device, attention)
+        cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
+        self.steps = CapturedSteps(self.net, compile, cuda_graph)
+        self.span_align = CACHE_ALIGN
+
+    @property
+    def cuda_graph(self) -> bool:
+        return self.steps.cuda_graph
+
+    @cuda_graph.setter
+    def cuda_graph(self, on: bool) -> None:  # the bench profiles steps run uncaptured
+        self.steps.cuda_graph = on
+
+    def load_weights(self, policy: nn.Module) -> None:
+        copy_sharded_weights(policy, self.model)
+
+    def span(self, col: int) -> int:
+        """Cache columns a step writing column `col` attends over: the first of `spans` fixed
+        fractions of the cache (rounded up to `span_align` columns) that holds it. The fractions
+        depend only on the cache length, so at most `spans` steps are compiled per buffer size."""
+        length, align = self.net.shape[1], self.span_align
+        if self.net.attention == "triton":  # the kernel bounds its reads itself: one step for all
+            return length
+        for k in range(1, self.spans):
+            bound = min(length, -(-k * length // self.spans // align) * align)
+            if col < bound:
+                return bound
+        return length
 
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams
     ) -> Rollout:
-        if self.shape is not None and getattr(self, "params", None) != params:
-            self.steps, self.graphs = {}, {}  # temperature and top-p are baked into the steps
-        self.params = params
+        net, new = self.net, params.max_new_tokens
         rows = [p for p in prompts for _ in range(samples_per_prompt)]
-        b, width, new = len(rows), max(map(len, rows)), params.max_new_tokens
+        ids, valid = left_pad(rows, params.pad_token_id)
+        b, width = ids.shape
         # rounded up so that prompt widths varying by step reuse the buffers and compiled spans
         # (a longer batch reallocates, and every span recompiles once for the new length)
-        self.allocate(b, -(-(width + new) // self.span_align) * self.span_align)
-        ids = torch.full((b, width), params.pad_token_id, dtype=torch.long)
-        valid = torch.zeros((b, width), dtype=torch.bool)
-        for i, p in enumerate(rows):
-            ids[i, width - len(p) :] = torch.tensor(p)
-            valid[i, width - len(p) :] = True
+        align = self.span_align
+        if net.allocate(b, -(-(width + new) // align) * align) or self.steps.params != params:
+            self.steps.reset(params)
         ids, valid = ids.to(self.device), valid.to(self.device)
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        self.key_valid.zero_()
-        self.key_valid[:, :width] = valid
+        net.key_valid.zero_()
+        net.key_valid[:, :width] = valid
         cols = torch.arange(width, device=self.device)
         causal = cols[None, :] <= cols[:, None]  # (W, W): the prompt attends only within itself
-        mask = (self.key_valid[:, None, None, :width] & causal) | torch.eye(
+        mask = (net.key_valid[:, None, None, :width] & causal) | torch.eye(
             width, dtype=torch.bool, device=self.device
         )
-        token, logp = self.sample(self.forward(ids, pos, cols, mask))  # prefill
+        token, logp = sample(net.forward(ids, pos, cols, mask), params)  # prefill
         tokens_BN = torch.empty((b, new), dtype=torch.long, device=self.device)
         logps_BN = torch.empty((b, new), dtype=torch.float32, device=self.device)
         tokens_BN[:, 0], logps_BN[:, 0] = token, logp
-        self.tok.copy_(token)
-        self.pos.copy_(pos[:, -1] + 1)
+        net.tok.copy_(token)
+        net.pos.copy_(pos[:, -1] + 1)
         done = token == params.eos_token_id
         steps = 1
         for t in range(1, new):
-            self.col.fill_(width + t - 1)
-            self.replay(self.span(width + t - 1))
-            tokens_BN[:, t], logps_BN[:, t] = self.tok, self.logp
-            done |= self.tok == params.eos_token_id
+            net.col.fill_(width + t - 1)
+            self.steps.replay(self.span(width + t - 1))
+            tokens_BN[:, t], logps_BN[:, t] = net.tok, net.logp
+            done |= net.tok == params.eos_token_id
             steps = t + 1
             # this rank's own decision: decoding runs no collective, so ranks may stop apart
             if t % 16 == 0 and bool(done.all()):  # one host sync every 16 tokens

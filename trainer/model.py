@@ -96,6 +96,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(model.model.layers)
 
 
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The FSDP units of the causal LM, innermost first: each decoder layer, then the root
+    (embeddings, final norm, lm_head). `shard_model` shards exactly these; the rollout engine's
+    weight refresh gathers exactly these."""
+    return [*decoder_layers(model), model]
+
+
 def checkpointed(layer: nn.Module) -> None:
     """Recompute `layer`'s activations in backward: only its inputs are kept.
 
@@ -130,12 +137,13 @@ def apply_options(model: nn.Module, m: ModelConfig) -> None:
 def shard_model(
     model: nn.Module, mesh, mp: MixedPrecisionPolicy, reshard_after_forward: bool = True
 ) -> FSDPModule:
-    """`fully_shard` each decoder layer (`model.reshard_after_forward`), then the root."""
-    for layer in decoder_layers(model):
+    """`fully_shard` each unit of `fsdp_units`: decoder layers (`model.reshard_after_forward`),
+    then the root, which holds embeddings, final norm and (tied) lm_head; backward needs them
+    first, so keeping them gathered after forward saves one all-gather per step."""
+    *layers, root = fsdp_units(model)
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    # The root holds embeddings, final norm and (tied) lm_head; backward needs them first,
-    # so keeping them gathered after forward saves one all-gather per step.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(root, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     return model
 
 

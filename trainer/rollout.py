@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from trainer.model import fsdp_units
+
 
 @dataclass
 class SamplingParams:
@@ -59,16 +61,35 @@ class RolloutEngine(Protocol):
     ) -> Rollout: ...
 
 
-def fsdp_units(policy: nn.Module) -> list[nn.Module]:
-    """The FSDP units of a sharded causal LM, innermost first (decoder layers, then the root)."""
-    return [*policy.model.layers, policy]
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to a common width W, so every row's next token is column W:
+    (ids_BW, valid_BW), valid marking the real tokens."""
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    valid = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, p in enumerate(rows):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        valid[i, width - len(p) :] = True
+    return ids, valid
+
+
+def inference_copy(
+    config, dtype: torch.dtype, device: torch.device, attn: str = "sdpa"
+) -> nn.Module:
+    """An unsharded Qwen3 in the compute dtype, for sampling only (no grads)."""
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
+    return model.eval().requires_grad_(False)
 
 
 @torch.no_grad()
 def copy_sharded_weights(policy: nn.Module, target: nn.Module) -> None:
-    """Copy the sharded policy's weights into the unsharded `target`, one FSDP unit at a time."""
+    """Copy the sharded policy's weights into the unsharded `target`, one FSDP unit at a time
+    (`trainer.model.fsdp_units`: the units `shard_model` made); every target parameter must be
+    written, or the engine would sample from stale weights."""
     target_params = dict(target.named_parameters())
     prefix = {id(unit): name for name, unit in policy.named_modules()}
+    written = set()
     for unit in fsdp_units(policy):
         unit.unshard()
         base = prefix[id(unit)]
@@ -77,7 +98,10 @@ def copy_sharded_weights(policy: nn.Module, target: nn.Module) -> None:
                 continue
             full_name = f"{base}.{name}" if base else name
             target_params[full_name].copy_(param)
+            written.add(full_name)
         unit.reshard()
+    missing = sorted(set(target_params) - written)
+    assert not missing, f"the weight refresh did not write {missing}"
 
 
 class HFRolloutEngine:
@@ -86,11 +110,7 @@ class HFRolloutEngine:
     def __init__(
         self, config, dtype: torch.dtype, device: torch.device, attn_implementation: str = "sdpa"
     ):
-        with torch.device(device):
-            self.model = AutoModelForCausalLM.from_config(
-                config, dtype=dtype, attn_implementation=attn_implementation
-            )
-        self.model.eval().requires_grad_(False)
+        self.model = inference_copy(config, dtype, device, attn_implementation)
         self.device = device
 
     def load_weights(self, policy: nn.Module) -> None:
@@ -101,12 +121,8 @@ class HFRolloutEngine:
         self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams
     ) -> Rollout:
         rows = [p for p in prompts for _ in range(samples_per_prompt)]
-        width = max(map(len, rows))
-        input_ids = torch.full((len(rows), width), params.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, p in enumerate(rows):  # left padding: every prompt ends at the same column
-            input_ids[i, width - len(p) :] = torch.tensor(p)
-            attention_mask[i, width - len(p) :] = 1
+        input_ids, valid = left_pad(rows, params.pad_token_id)
+        width = input_ids.shape[1]
         generation = GenerationConfig(
             do_sample=True,
             temperature=params.temperature,
@@ -120,7 +136,7 @@ class HFRolloutEngine:
         )
         out = self.model.generate(
             input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
+            attention_mask=valid.long().to(self.device),
             generation_config=generation,
         )
         new_NT = out.sequences[:, width:]

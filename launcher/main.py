@@ -24,10 +24,12 @@ CONFIG_GROUPS = ("parallel", "model", "data", "rl", "logger")
 def to_typed(cfg: DictConfig) -> Config:
     """The composed config as the schema's dataclasses (interpolations resolved)."""
     try:
-        return OmegaConf.to_object(cfg)
+        typed = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "config"
         raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None
+    assert isinstance(typed, Config)
+    return typed
 
 
 def visible_gpus(device: str) -> int:

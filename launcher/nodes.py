@@ -70,13 +70,14 @@ def receive(conn: socket.socket) -> dict:
 
 
 def endpoint(cfg: Config) -> tuple[str, int]:
-    host, _, port = cfg.parallel.rdzv_endpoint.rpartition(":")
+    host, _, port = (cfg.parallel.rdzv_endpoint or "").rpartition(":")
     return host, int(port)
 
 
 def host_agreement(server: socket.socket, cfg: Config, proposal: dict, nnodes: int) -> dict:
     """Accept the other nnodes - 1 launchers, close the port, answer every one the same."""
-    conns, peers = [], []
+    conns: list[socket.socket] = []
+    peers: list[dict] = []
     server.settimeout(JOIN_TIMEOUT_S)
     try:
         while len(conns) < nnodes - 1:

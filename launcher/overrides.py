@@ -40,7 +40,7 @@ def schema_fields(cls: type = Config, prefix: str = "") -> dict[str, object]:
     out = {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             out.update(schema_fields(tp, f"{prefix}{f.name}."))
         else:
             out[f"{prefix}{f.name}"] = tp

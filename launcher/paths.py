@@ -10,7 +10,9 @@ from pathlib import Path
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def is_hub_id(path: str) -> bool:
+def is_hub_id(path: str | None) -> bool:
+    if not path:
+        return False
     return (
         not Path(path).exists()
         and bool(HUB_ID.match(path))

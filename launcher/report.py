@@ -119,10 +119,13 @@ def write_report(sweep_dir: Path) -> Path:
         "| max abs diff loss (step) | max abs diff grad norm (step) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    worst = {"train/loss": (0.0, None, None), "train/grad_norm": (0.0, None, None)}
+    worst: dict[str, tuple[float, int | None, str | None]] = {
+        "train/loss": (0.0, None, None),
+        "train/grad_norm": (0.0, None, None),
+    }
     for j in jobs:
         status = {None: "no status", 0: "ok"}.get(j.exit_code, f"failed ({j.exit_code})")
-        diffs = {}
+        diffs: dict[str, str] = {}
         for key in worst:
             d, step = max_difference(j.series(key), base.series(key)) if base else (0.0, None)
             diffs[key] = f"{d:.3g} ({step})" if step is not None else "-"

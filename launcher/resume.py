@@ -32,6 +32,8 @@ def same_job(cfg: Config, saved_config: Path) -> bool:
         saved = OmegaConf.to_container(OmegaConf.load(saved_config))
     except Exception:
         return False
+    if not isinstance(saved, dict):
+        return False
     mine = asdict(cfg)
     return (
         all(saved.get(k) == mine[k] for k in SAME_JOB_KEYS)

@@ -166,7 +166,8 @@ def find_resumable(run_dir: str | Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint that verifies, and a warning for each newer one that did not.
 
     Raises if checkpoints exist but none is usable: a run never silently starts over."""
-    warnings, found = [], candidates(run_dir)
+    warnings: list[str] = []
+    found = candidates(run_dir)
     for folder in found:
         try:
             verify(folder)

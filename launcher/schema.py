@@ -306,7 +306,7 @@ class Config:
     # Print the plan (mesh, memory, traffic) and exit without starting a process.
     dry_run: bool = False
     # Filled in by the launcher: where this run writes config, logs and metrics.
-    run_dir: str | None = None
+    run_dir: str = ""
     # Filled in by the launcher: the preset chosen in each group (Hydra's choices), e.g.
     # {model: qwen3_4b, parallel: hsdp_r2s2}; names runs and plans.
     presets: dict[str, str] = field(default_factory=dict)
@@ -319,7 +319,9 @@ def load(source) -> Config:
     from omegaconf import OmegaConf
 
     values = OmegaConf.load(source) if isinstance(source, (str, Path)) else OmegaConf.create(source)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), values))
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), values))
+    assert isinstance(config, Config)
+    return config
 
 
 def register() -> None:

@@ -178,7 +178,7 @@ class ConsoleStream:
 
     def write(self, line: str) -> None:
         match = STEP_LINE.match(line) if self.progress else None
-        if match:
+        if match and self.progress:
             step, total, rest = int(match[1]), int(match[2]), match[3]
             self.progress.update(self.task, completed=step, total=total, description=rest)
         elif self.progress:
@@ -249,7 +249,7 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, s
     console = ConsoleStream()
     try:
         with open(run_dir / "logs" / "launcher.log", "a") as log:
-            for line in proc.stdout:
+            for line in proc.stdout or ():
                 console.write(line)
                 log.write(line)
                 kept.append(line)

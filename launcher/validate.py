@@ -138,10 +138,11 @@ def validate_data(cfg: Config) -> None:
             bool(d.path),
             "data=gsm8k needs data.path (a hub id such as openai/gsm8k or a local file)",
         )
-        local = Path(d.path).expanduser()
-        if is_hub_id(d.path) and not cfg.dry_run:  # a plan needs no data
+        path = d.path or ""
+        local = Path(path).expanduser()
+        if is_hub_id(path) and not cfg.dry_run:  # a plan needs no data
             check(
-                not hub_offline() or dataset_cached(d.path),
+                not hub_offline() or dataset_cached(path),
                 f"data.path={d.path!r} is a hub dataset that is not in the Hugging Face cache, and "
                 "HF_HUB_OFFLINE is set; download it where the hub is reachable (load it once with "
                 "datasets), or point data.path at a local .parquet/.jsonl file",

@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,7 +117,7 @@ def save(
         fsync_path(tmp / name)
     reported: list[dict[str, int]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(reported, mine)
-    verdict = [None]
+    verdict: list[list[int] | None] = [None]
     if rank == 0:
         seen = file_sizes(tmp)
         verdict = [
@@ -165,7 +166,7 @@ def load(model, optimizer, scheduler, folder: str | Path) -> int:
     """Load a checkpoint into the (possibly differently sharded) model and optimizer; returns its step."""
     folder = Path(folder)
     meta = verify(folder)
-    state = {
+    state: dict[str, Any] = {
         "model": get_model_state_dict(model),
         "optim": get_optimizer_state_dict(model, optimizer),
     }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from launcher.paths import is_hub_id
 from launcher.schema import Config, DataConfig
@@ -37,6 +38,7 @@ def synthetic_prompts(d: DataConfig, seed: int) -> list[Prompt]:
 def load_rows(d: DataConfig):
     import datasets
 
+    assert d.path, "data.path is required for data=gsm8k (validated)"
     if is_hub_id(d.path):
         return datasets.load_dataset(d.path, d.hub_config, split=d.split)
     path = Path(d.path).expanduser()
@@ -76,7 +78,7 @@ def load_prompts(d: DataConfig, tokenizer, seed: int) -> list[Prompt]:
 class Task:
     """The tokenizer, the prompts and their token ids (tokenized once, not every step)."""
 
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer
     prompts: list[Prompt]
     prompt_ids: list[list[int]]
 

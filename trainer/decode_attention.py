@@ -18,13 +18,15 @@ module: CPU runs and machines without Triton never need it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 SPLIT = 128  # cache columns per program
 BLOCK = 64  # cache columns per inner tile
 
 
-_kernel = None  # the @triton.jit function, once load() has built it
+_kernel: Any = None  # the @triton.jit function, once load() has built it
 
 
 def supports(head_dim: int) -> bool:

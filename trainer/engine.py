@@ -24,11 +24,15 @@ t into cache column W + t; a per-sequence key mask hides the padding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainer import decode_attention as triton_attention
+from trainer.model import CausalLM
 from trainer.rollout import (
     Rollout,
     SamplingParams,
@@ -41,7 +45,7 @@ from trainer.rollout import (
 CACHE_ALIGN = 64  # cache lengths and attention spans end on a multiple of this many columns
 
 
-def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, norm: CausalLM) -> torch.Tensor:
     eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
     xf = x.float()
     return norm.weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
@@ -84,7 +88,7 @@ def sample(logits_BV: torch.Tensor, params: SamplingParams) -> tuple[torch.Tenso
 class FusedQwen3:
     """The Qwen3 forward over its own static KV cache (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device, attention: str):
+    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, attention: str):
         self.model, self.config, self.dtype, self.device = model, model.config, dtype, device
         self.attention = attention  # decode steps: `sdpa` over a span, or the `triton` kernel
         if attention == "triton":
@@ -185,14 +189,18 @@ class CapturedSteps:
 
     def reset(self, params: SamplingParams | None) -> None:
         self.params = params  # temperature and top-p are baked into the compiled steps
-        self.steps, self.graphs, self.pool = {}, {}, None
+        self.steps: dict[int, Callable[[], None]] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool: Any = None
 
     def replay(self, span: int) -> None:
         """One decode step over `span` cache columns."""
         if span not in self.steps:  # each span is its own compiled graph (a recompile per span)
+            params = self.params
+            assert params is not None, "reset(params) before the first replay"
 
             def step() -> None:
-                self.net.decode_step(span, self.params)
+                self.net.decode_step(span, params)
 
             self.steps[span] = (
                 torch.compile(step, fullgraph=True, dynamic=False) if self.compile else step
@@ -244,13 +252,14 @@ class StaticCacheEngine:
     def cuda_graph(self, on: bool) -> None:  # the bench profiles steps run uncaptured
         self.steps.cuda_graph = on
 
-    def load_weights(self, policy: nn.Module) -> None:
+    def load_weights(self, policy: CausalLM) -> None:
         copy_sharded_weights(policy, self.model)
 
     def span(self, col: int) -> int:
         """Cache columns a step writing column `col` attends over: the first of `spans` fixed
         fractions of the cache (rounded up to `span_align` columns) that holds it. The fractions
         depend only on the cache length, so at most `spans` steps are compiled per buffer size."""
+        assert self.net.shape is not None, "allocate before asking for spans"
         length, align = self.net.shape[1], self.span_align
         if self.net.attention == "triton":  # the kernel bounds its reads itself: one step for all
             return length

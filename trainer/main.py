@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from launcher import schema
 from trainer.data import load_task
 from trainer.errors import RunError
-from trainer.model import build_model, hf_config
+from trainer.model import CausalLM, build_model, hf_config
 from trainer.parallel import ParallelState
 from trainer.watchdog import Watchdog
 
@@ -76,7 +76,7 @@ def init_distributed(device_type: str, hang_timeout_s: float) -> torch.device:
     return torch.device("cpu")
 
 
-def smoke_test(model: torch.nn.Module, ps: ParallelState, vocab_size: int) -> float:
+def smoke_test(model: CausalLM, ps: ParallelState, vocab_size: int) -> float:
     """One forward and backward on rank-specific tokens; returns the loss."""
     gen = torch.Generator().manual_seed(ps.rank)
     ids = torch.randint(0, vocab_size, (2, 16), generator=gen).to(ps.device)
@@ -96,7 +96,7 @@ def check_shared_run_dir(cfg: schema.Config, ps: ParallelState) -> None:
     node-local folder works, with metrics and the export on rank 0's node."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size)) == ps.world_size:
         return  # one node: one file system
-    token = [uuid.uuid4().hex if ps.rank == 0 else None]
+    token = [uuid.uuid4().hex if ps.rank == 0 else ""]
     dist.broadcast_object_list(token, src=0)
     marker = Path(cfg.run_dir) / ".shared_marker"
     if ps.rank == 0:
@@ -106,7 +106,7 @@ def check_shared_run_dir(cfg: schema.Config, ps: ParallelState) -> None:
         sees = marker.read_text() == token[0]
     except OSError:
         sees = False
-    seen = [None] * ps.world_size
+    seen: list[tuple[bool, str]] = [(False, "")] * ps.world_size
     dist.all_gather_object(seen, (sees, socket.gethostname()))
     blind = [r for r, (ok, _) in enumerate(seen) if not ok]
     if not blind:
@@ -131,7 +131,7 @@ def main(config_path: str) -> None:
     cfg = schema.load(config_path)
     rank = int(os.environ["RANK"])
     redirect_output(Path(cfg.run_dir) / "logs" / f"rank_{rank}.log", tee=rank == 0)
-    sys.stdout.reconfigure(line_buffering=True)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     watchdog = Watchdog(cfg.run_dir, rank, cfg.trainer.hang_timeout_s)
     try:
         run(cfg, rank, watchdog)

@@ -95,7 +95,7 @@ class MetricsLogger:
         lg = self.cfg.logger
         run = wandb.init(
             project=lg.project, entity=lg.entity, group=lg.group, name=lg.name, tags=list(lg.tags),
-            config=dataclasses.asdict(self.cfg), dir=self.cfg.run_dir, mode=mode,
+            config=dataclasses.asdict(self.cfg), dir=self.cfg.run_dir, mode=mode,  # type: ignore[arg-type]
             settings=wandb.Settings(console="off", init_timeout=60),
         )  # fmt: skip
         run.define_metric("step")

@@ -10,12 +10,12 @@ embeddings included. Master weights stay fp32; compute runs in `param_dtype`.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 from transformers import (
     AutoConfig,
@@ -29,13 +29,23 @@ from launcher.paths import local_model_dir
 from launcher.schema import ModelConfig
 
 SHIPPED_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer"
+# A transformers causal LM (or one of its modules), FSDP-wrapped or not. transformers builds its
+# attributes at run time (`model.model.layers`, `config.head_dim`), which a type checker cannot
+# follow through `nn.Module`; this alias says what is meant and lets it through.
+CausalLM = Any
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def model_path(m: ModelConfig) -> str:
+    """model.path, which validation requires whenever it is read."""
+    assert m.path, "model.path is not set"
+    return m.path
 
 
 def hf_config(m: ModelConfig) -> PretrainedConfig:
     """model.path's config when pretrained or present on this machine, else `model.arch`."""
     if m.init == "pretrained" or local_model_dir(m.path) is not None:
-        return AutoConfig.from_pretrained(m.path, trust_remote_code=m.trust_remote_code)
+        return AutoConfig.from_pretrained(model_path(m), trust_remote_code=m.trust_remote_code)
     a = m.arch
     return Qwen3Config(
         vocab_size=a.vocab_size,
@@ -46,7 +56,7 @@ def hf_config(m: ModelConfig) -> PretrainedConfig:
         num_key_value_heads=a.num_key_value_heads,
         head_dim=a.head_dim,
         tie_word_embeddings=a.tie_word_embeddings,
-        rope_theta=a.rope_theta,
+        rope_theta=a.rope_theta,  # type: ignore[call-arg]  # transformers 5 takes it in **kwargs
         max_position_embeddings=a.max_position_embeddings,
         rms_norm_eps=a.rms_norm_eps,
     )
@@ -54,7 +64,7 @@ def hf_config(m: ModelConfig) -> PretrainedConfig:
 
 def load_tokenizer(m: ModelConfig):
     """model.tokenizer_path, else model.path's tokenizer when it is here, else the shipped one."""
-    path = m.tokenizer_path
+    path: str | Path | None = m.tokenizer_path
     if path is None:
         path = (
             m.path
@@ -92,18 +102,18 @@ def mp_policy(m: ModelConfig, device_type: str) -> MixedPrecisionPolicy:
     )
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
+def decoder_layers(model: CausalLM) -> list[CausalLM]:
     return list(model.model.layers)
 
 
-def fsdp_units(model: nn.Module) -> list[nn.Module]:
+def fsdp_units(model: CausalLM) -> list[CausalLM]:
     """The FSDP units of the causal LM, innermost first: each decoder layer, then the root
     (embeddings, final norm, lm_head). `shard_model` shards exactly these; the rollout engine's
     weight refresh gathers exactly these."""
     return [*decoder_layers(model), model]
 
 
-def checkpointed(layer: nn.Module) -> None:
+def checkpointed(layer: CausalLM) -> None:
     """Recompute `layer`'s activations in backward: only its inputs are kept.
 
     The checkpoint wraps the layer's `forward`, inside the module call where FSDP's hooks
@@ -120,7 +130,7 @@ def checkpointed(layer: nn.Module) -> None:
     layer.forward = forward_checkpointed
 
 
-def apply_options(model: nn.Module, m: ModelConfig) -> None:
+def apply_options(model: CausalLM, m: ModelConfig) -> None:
     """`model.activation_checkpointing` and `model.compile` per decoder layer, before sharding.
 
     `Module.compile` compiles each layer's call in place (names unchanged; dynamo leaves
@@ -135,8 +145,8 @@ def apply_options(model: nn.Module, m: ModelConfig) -> None:
 
 
 def shard_model(
-    model: nn.Module, mesh, mp: MixedPrecisionPolicy, reshard_after_forward: bool = True
-) -> FSDPModule:
+    model: CausalLM, mesh, mp: MixedPrecisionPolicy, reshard_after_forward: bool = True
+) -> CausalLM:
     """`fully_shard` each unit of `fsdp_units`: decoder layers (`model.reshard_after_forward`),
     then the root, which holds embeddings, final norm and (tied) lm_head; backward needs them
     first, so keeping them gathered after forward saves one all-gather per step."""
@@ -151,7 +161,7 @@ def full_state_dict(m: ModelConfig, config: PretrainedConfig, seed: int) -> dict
     """The whole fp32 state dict on CPU: pretrained weights, or a seeded random init."""
     if m.init == "pretrained":
         model = AutoModelForCausalLM.from_pretrained(
-            m.path, dtype=torch.float32, trust_remote_code=m.trust_remote_code
+            model_path(m), dtype=torch.float32, trust_remote_code=m.trust_remote_code
         )
     else:
         torch.manual_seed(seed)
@@ -159,7 +169,7 @@ def full_state_dict(m: ModelConfig, config: PretrainedConfig, seed: int) -> dict
     return model.state_dict()
 
 
-def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
+def reset_rotary_buffers(model: CausalLM, device: torch.device) -> None:
     """Non-persistent buffers (RoPE inverse frequencies) are not in the state dict: rebuild them."""
     for name, module in model.named_modules():
         if name.endswith("rotary_emb"):
@@ -170,7 +180,7 @@ def reset_rotary_buffers(model: nn.Module, device: torch.device) -> None:
 
 def build_model(
     m: ModelConfig, mesh, device: torch.device, seed: int, requires_grad: bool = True
-) -> nn.Module:
+) -> CausalLM:
     """A Qwen3 causal LM sharded with FSDP2 on `mesh`, weights broadcast from rank 0."""
     config = hf_config(m)
     with torch.device("meta"):
@@ -181,7 +191,7 @@ def build_model(
     shard_model(model, mesh, mp_policy(m, device.type), m.reshard_after_forward)
     model.to_empty(device=device)
     reset_rotary_buffers(model, device)
-    state = full_state_dict(m, config, seed) if dist.get_rank() == 0 else {}
+    state: dict[str, Any] = full_state_dict(m, config, seed) if dist.get_rank() == 0 else {}
     set_model_state_dict(
         model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )

@@ -106,7 +106,7 @@ class ParallelState:
         fsdp = self.get_mesh("fsdp")
         coords = ", ".join(
             f"{n}={fsdp.get_local_rank(n)}/{fsdp.size(i)}"
-            for i, n in enumerate(fsdp.mesh_dim_names)
+            for i, n in enumerate(fsdp.mesh_dim_names or ())
         )
         return (
             f"rank {self.rank}/{self.world_size} on {self.device}: dp={self.dp_rank}/{self.dp_size}, "

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from launcher.run_folder import RUN_FAULT_EXIT_CODE
 from trainer.errors import RunError
+from trainer.model import CausalLM
 
 
 @torch.no_grad()
-def fingerprints(model: nn.Module) -> tuple[list[str], torch.Tensor]:
+def fingerprints(model: CausalLM) -> tuple[list[str], torch.Tensor]:
     """Parameter names and a (P, 2) float64 fingerprint of this rank's shard of each."""
     names, rows = [], []
     for name, p in model.named_parameters():
@@ -32,7 +32,7 @@ def fingerprints(model: nn.Module) -> tuple[list[str], torch.Tensor]:
 
 @torch.no_grad()
 def replica_spread(
-    model: nn.Module, replicate_group, device: torch.device
+    model: CausalLM, replicate_group, device: torch.device
 ) -> tuple[list[str], torch.Tensor]:
     """Collective over every rank: per parameter, the largest fingerprint spread across replicas."""
     names, fp = fingerprints(model)
@@ -45,7 +45,7 @@ def replica_spread(
     return names, spread
 
 
-def check_replicas(model: nn.Module, replicate_group, device: torch.device, step: int) -> float:
+def check_replicas(model: CausalLM, replicate_group, device: torch.device, step: int) -> float:
     """Collective: the largest spread (0.0 when replicas agree); raises on every rank if not."""
     names, spread = replica_spread(model, replicate_group, device)
     worst = spread.max().item()

@@ -14,11 +14,10 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from trainer.model import fsdp_units
+from trainer.model import CausalLM, fsdp_units
 
 
 @dataclass
@@ -54,7 +53,7 @@ def trim_at_eos(
 
 
 class RolloutEngine(Protocol):
-    def load_weights(self, policy: nn.Module) -> None: ...
+    def load_weights(self, policy: CausalLM) -> None: ...
 
     def generate(
         self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams
@@ -75,7 +74,7 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
 
 def inference_copy(
     config, dtype: torch.dtype, device: torch.device, attn: str = "sdpa"
-) -> nn.Module:
+) -> CausalLM:
     """An unsharded Qwen3 in the compute dtype, for sampling only (no grads)."""
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
@@ -83,7 +82,7 @@ def inference_copy(
 
 
 @torch.no_grad()
-def copy_sharded_weights(policy: nn.Module, target: nn.Module) -> None:
+def copy_sharded_weights(policy: CausalLM, target: CausalLM) -> None:
     """Copy the sharded policy's weights into the unsharded `target`, one FSDP unit at a time
     (`trainer.model.fsdp_units`: the units `shard_model` made); every target parameter must be
     written, or the engine would sample from stale weights."""
@@ -113,7 +112,7 @@ class HFRolloutEngine:
         self.model = inference_copy(config, dtype, device, attn_implementation)
         self.device = device
 
-    def load_weights(self, policy: nn.Module) -> None:
+    def load_weights(self, policy: CausalLM) -> None:
         copy_sharded_weights(policy, self.model)
 
     @torch.no_grad()

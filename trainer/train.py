@@ -15,10 +15,10 @@ import math
 import signal
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from launcher.run_folder import stop_file
 from launcher.schema import Config, OptimConfig, rewards_of
@@ -28,7 +28,7 @@ from trainer.engine import StaticCacheEngine
 from trainer.grpo import group_advantages, grpo_token_loss, loss_weights, token_logprobs
 from trainer.metrics import MetricsLogger
 from trainer.micro_batches import MicroBatch
-from trainer.model import build_model, compute_dtype
+from trainer.model import CausalLM, build_model, compute_dtype
 from trainer.parallel import ParallelState, any_rank
 from trainer.perf import peak_flops, peak_memory_gb
 from trainer.replicas import check_replicas
@@ -63,15 +63,18 @@ class Batch:
     def rows(self, mb: MicroBatch) -> Batch:
         """The micro-batch's rows cut to its width; an empty micro-batch is one padding row
         of width 2 whose masks and weights are zero (it runs the collectives, adds nothing)."""
-        if mb.empty:
-            return Batch(**{name: None if t is None else t.new_zeros((1, 2) if name.endswith("_NL")
-                                                                   else (1, 1) if name.endswith("_NT") else (1,))
-                            for name, t in vars(self).items()})  # fmt: skip
-        cut = {"_NL": mb.width, "_NT": mb.width - 1}
-        return Batch(**{
-            name: None if t is None else t[mb.rows, : cut[name[-3:]]] if name[-3:] in cut else t[mb.rows]
-            for name, t in vars(self).items()
-        })  # fmt: skip
+        widths = {"_NL": mb.width, "_NT": mb.width - 1}
+        padding = {"_NL": (1, 2), "_NT": (1, 1)}
+        out: dict[str, Any] = {}
+        for name, t in vars(self).items():
+            suffix = name[-3:]
+            if t is None:
+                out[name] = None
+            elif mb.empty:
+                out[name] = t.new_zeros(padding.get(suffix, (1,)))
+            else:
+                out[name] = t[mb.rows, : widths[suffix]] if suffix in widths else t[mb.rows]
+        return Batch(**out)
 
 
 def collate(
@@ -118,7 +121,7 @@ def lr_factor(o: OptimConfig, total_steps: int):
     return factor
 
 
-def sequence_logprobs(model: nn.Module, batch: Batch, temperature: float, chunk_tokens: int = 1024):
+def sequence_logprobs(model: CausalLM, batch: Batch, temperature: float, chunk_tokens: int = 1024):
     """Log-probs and entropies of targets 0 .. L-2 of every row of `batch` (N x T each).
 
     Rows are right-padded, so under the causal mask no real token attends to padding: the
@@ -158,7 +161,7 @@ def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: Config, ps: ParallelState, model: nn.Module, watchdog=None,
+    def __init__(self, cfg: Config, ps: ParallelState, model: CausalLM, watchdog=None,
                  task: Task | None = None):  # fmt: skip
         self.cfg, self.ps, self.model = cfg, ps, model
         self.watchdog = watchdog or NoWatchdog()
@@ -350,7 +353,7 @@ class GRPOTrainer:
             self.backward(batch, plan, first=u == 0, stats=stats)
             self.phase(f"{self.update_name}, optimizer step")
             grad_norms.append(self.optimizer_step())
-        stats.update(grad_norms, self.last_lr)
+        stats.update(grad_norms, float(self.last_lr))
 
     def prepare_update(self, batch: Batch) -> None:
         """Collective: the loss weights (from global counts) and room for the old log-probs."""
@@ -377,11 +380,13 @@ class GRPOTrainer:
         are stored into `batch.old_logp_NT`, and the ratio is exactly 1.
         """
         rl = self.rl
+        assert batch.old_logp_NT is not None, "prepare_update(batch) first"
         for k, mb in enumerate(plan):
             self.phase(f"{self.update_name}, micro-batch {k + 1}/{len(plan)}")
             if self.ps.dp_replicate_size > 1:  # all-reduce across replicas once, after the last
                 self.model.set_requires_all_reduce(k == len(plan) - 1)
             mbb = batch.rows(mb)
+            assert mbb.old_logp_NT is not None and mbb.weights_NT is not None
             logp, entropy = sequence_logprobs(
                 self.model, mbb, rl.temperature, rl.logprob_chunk_tokens
             )

@@ -170,6 +170,7 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
         from trainer.train import GRPOTrainer
 
         GRPOTrainer(cfg, ps, model, watchdog, task).train()
+    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
     dist.destroy_process_group()
 
 

@@ -63,6 +63,7 @@ def main(tmp: str, out_path: str) -> None:
     dist.all_gather_object(results, out)
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
+    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
     dist.destroy_process_group()
 
 

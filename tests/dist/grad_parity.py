@@ -69,6 +69,7 @@ def main(out_path: str, replicate_sizes: list[int], options: dict) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
+    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
     dist.destroy_process_group()
 
 

@@ -138,6 +138,7 @@ def main(run_dir: str, out_path: str, *replicates: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"results": results, "needs": needs}, f, indent=1)
+    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
     dist.destroy_process_group()
 
 

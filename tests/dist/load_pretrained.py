@@ -41,6 +41,7 @@ def main(model_dir: str, out_path: str) -> None:
         }
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results, indent=1))
+    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
     dist.destroy_process_group()
 
 

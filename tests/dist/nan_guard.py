@@ -43,6 +43,7 @@ def main(run_dir: str, out_path: str) -> None:
         with open(out_path, "w") as f:
             json.dump({"norms": [str(n) for n in norms], "unchanged": unchanged, "bad_updates": trainer.bad_updates,
                        "error": error}, f)  # fmt: skip
+    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
     dist.destroy_process_group()
 
 

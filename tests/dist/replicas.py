@@ -47,6 +47,7 @@ def main(run_dir: str, out_path: str) -> None:
         with open(out_path, "w") as f:
             json.dump({"diffs": [r["train/replica_max_diff"] for r in rows],
                        "grad_norms": [r["train/grad_norm"] for r in rows], "errors": errors}, f)  # fmt: skip
+    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
     dist.destroy_process_group()
 
 

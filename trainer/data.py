@@ -113,6 +113,15 @@ def load_task(cfg: Config, local_rank: int, max_positions: int) -> Task:
     return Task(tokenizer, prompts, ids)
 
 
+def mixed_seed(seed: int, *parts: int) -> int:
+    """One integer seed from the run's seed and coordinates (epoch; or step and dp rank), so that
+    every stream of randomness is a function of them alone (exact resume, any layout)."""
+    out = seed
+    for part in parts:
+        out = out * 1_000_003 + part
+    return out
+
+
 class PromptSampler:
     """Which prompts each data-parallel rank takes at each step.
 
@@ -137,7 +146,7 @@ class PromptSampler:
     def permutation(self, epoch: int) -> list[int]:
         if self._perm is None or self._perm[0] != epoch:  # steps move forward: keep one epoch
             order = list(range(self.num_prompts))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            random.Random(mixed_seed(self.seed, epoch)).shuffle(order)
             self._perm = (epoch, order)
         return self._perm[1]
 

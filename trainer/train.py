@@ -23,7 +23,7 @@ import torch.distributed as dist
 from launcher.run_folder import stop_file
 from launcher.schema import Config, OptimConfig, rewards_of
 from trainer import checkpoint, micro_batches
-from trainer.data import PromptSampler, Task, load_task
+from trainer.data import PromptSampler, Task, load_task, mixed_seed
 from trainer.engine import StaticCacheEngine
 from trainer.grpo import group_advantages, grpo_token_loss, loss_weights, token_logprobs
 from trainer.metrics import MetricsLogger
@@ -305,7 +305,7 @@ class GRPOTrainer:
         prompts = [self.prompts[i] for i in indices]
         prompt_ids = [self.prompt_ids[i] for i in indices]
         # Sampling randomness is a function of (seed, step, dp rank) alone.
-        torch.manual_seed(self.cfg.trainer.seed * 1_000_003 + step * 1009 + self.ps.dp_rank)
+        torch.manual_seed(mixed_seed(self.cfg.trainer.seed, step, self.ps.dp_rank))
         rollout = self.engine.generate(prompt_ids, g, self.sampling)
         texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
         rewards_N = torch.tensor(

@@ -116,6 +116,8 @@ class ModelConfig:
 
 
 TASK_REWARDS = {"synthetic": {"digit_echo": 1.0}, "gsm8k": {"math_answer": 1.0, "format": 0.1}}
+# The reward whose value 1 means a response is correct (evaluation's pass@k), per task.
+TASK_CORRECTNESS = {"synthetic": "digit_echo", "gsm8k": "math_answer"}
 
 
 def rewards_of(data: DataConfig) -> dict[str, float]:
@@ -136,6 +138,10 @@ class DataConfig:
     hub_config: str | None = None
     # gsm8k: dataset split.
     split: str = "train"
+    # gsm8k, evaluation (trainer.eval_every): the split of data.eval_path (or of data.path when
+    # it is null; a local file has one split, so a local data.path needs data.eval_path).
+    eval_split: str = "test"
+    eval_path: str | None = None
     # gsm8k: column holding the question.
     question_key: str = "question"
     # gsm8k: column holding the reference answer (GSM8K's ends in `#### 42`).
@@ -173,8 +179,11 @@ class RLConfig:
     max_new_tokens: int = 256
     # Sampling temperature; logits are divided by it in rollout and training alike.
     temperature: float = 1.0
-    # Nucleus sampling mass (1 = off).
+    # Nucleus sampling mass (1 = off). The sampler records the log-prob of the truncated,
+    # renormalised distribution it drew from; the learner's is of the full one (docs/algorithms.md).
     top_p: float = 1.0
+    # Sample only among the k likeliest tokens (0 = off); recorded like top_p.
+    top_k: int = 0
     # Divide advantages by the group std (off = Dr. GRPO).
     std_normalize: bool = True
     # Added to the group std before dividing.
@@ -182,12 +191,44 @@ class RLConfig:
     # Ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO clip-higher when clip_high > clip_low).
     clip_low: float = 0.2
     clip_high: float = 0.2
+    # The importance ratio per token (PPO/GRPO), or per response: GSPO's exp(mean over the
+    # response of the token log-ratios), clipped per response (use with rl=gspo's tiny ranges).
+    ratio_level: str = choice("token", "token", "sequence")
+    # Dual clip (Ye et al. 2020): for a negative advantage the loss is at most -A * clip_ratio_c,
+    # so one token with a huge ratio cannot dominate; verl's default 3. null: off. Must be > 1.
+    clip_ratio_c: float | None = 3.0
     # KL penalty to a frozen reference; the reference is built only when > 0.
     kl_coef: float = 0.0
     # KL estimator (Schulman's k1, k2, k3; k3 is the low-variance one).
     kl_estimator: str = choice("k3", "k1", "k2", "k3")
-    # Entropy bonus: loss -= entropy_coef * mean token entropy.
+    # k3 only, verl's bounds: the log-ratio clamped to +-20 and k3 to [-10, 10], so a token the
+    # reference finds far likelier than the policy cannot blow up the term and its gradient.
+    kl_clamp: bool = True
+    # Entropy bonus: loss -= entropy_coef * entropy, aggregated like the policy-gradient term
+    # (rl.loss_agg): a token mean under token_mean, a mean of response means under
+    # seq_mean_token_mean, and each response's entropy sum over max_new_tokens, averaged over
+    # responses, under seq_mean_token_sum_norm.
     entropy_coef: float = 0.0
+    # DAPO dynamic sampling: drop groups whose rewards are all equal (std <= zero_std_eps: no
+    # gradient) and sample more prompts, in rounds, until prompts_per_step groups with signal are
+    # collected over all ranks or max_sample_rounds is reached (then train on what was kept).
+    dynamic_sampling: bool = False
+    zero_std_eps: float = 1e-6
+    max_sample_rounds: int = 3
+    # Take responses cut at max_new_tokens (no EOS) out of the loss (DAPO's overlong filtering).
+    mask_truncated: bool = False
+    # DAPO's soft overlong punishment: over the last overlong_buffer tokens before max_new_tokens
+    # the reward falls linearly, to -overlong_penalty at max_new_tokens. 0: off.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    # Rollout correction for the sampler/learner mismatch, from the sampler's recorded log-probs:
+    # none; tis (truncated importance sampling: weight min(rho, rollout_is_cap)); mis (masked:
+    # tokens, or whole responses with rollout_is_level=sequence, whose rho is outside
+    # [1/cap, cap] leave the loss). rho = pi_learner / pi_sampler (docs/algorithms.md).
+    rollout_correction: str = choice("none", "none", "tis", "mis")
+    rollout_is_cap: float = 2.0
+    # rho per token, or per response (the product of its tokens' ratios).
+    rollout_is_level: str = choice("token", "token", "sequence")
     # How per-token losses become one number (trainer/grpo.py): token_mean, seq_mean_token_mean,
     # seq_mean_token_sum_norm (sum / max_new_tokens, Dr. GRPO).
     loss_agg: str = choice(
@@ -272,6 +313,14 @@ class TrainerConfig:
     # shards (a fingerprint per shard, compared across replicas); a difference stops the run
     # naming the first differing parameter. 0: never. Logged as train/replica_max_diff.
     check_replicas_every: int = 50
+    # Evaluate on held-out prompts every N steps and after the last one (0: never): greedy
+    # pass@1 and pass@k from eval_k samples at rl.temperature (the unbiased estimator), split over
+    # all dp ranks. Held out: data.eval_split / data.eval_path for gsm8k; for synthetic, prompts
+    # never drawn for training.
+    eval_every: int = 0
+    # Held-out prompts per evaluation, and samples per prompt for pass@k.
+    eval_prompts: int = 64
+    eval_k: int = 4
 
 
 @dataclass
@@ -328,3 +377,8 @@ def register() -> None:
     """Register the schema: `conf/config.yaml` starts from it, so every group file merged
     into it is checked against these dataclasses (unknown keys and wrong types fail)."""
     ConfigStore.instance().store(name="config_schema", node=Config)
+    # `${floordiv:a,b}` for presets whose value follows another key (rl=dapo's overlong buffer
+    # is a fifth of rl.max_new_tokens, whatever the data preset or the command line sets)
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("floordiv", lambda a, b: int(a) // int(b), replace=True)

@@ -133,6 +133,11 @@ def validate_data(cfg: Config) -> None:
         f"data.path={d.path!r} is ignored by data=synthetic (the shipped task makes its own "
         f"prompts); for your file use data=gsm8k data.path={d.path}, or drop data.path",
     )
+    check(
+        d.name != "synthetic" or not d.eval_path,
+        f"data.eval_path={d.eval_path!r} is ignored by data=synthetic (it holds out its own "
+        "prompts for evaluation); drop data.eval_path",
+    )
     if d.name == "gsm8k":
         check(
             bool(d.path),
@@ -156,6 +161,8 @@ def validate_data(cfg: Config) -> None:
                 local.is_dir() or local.suffix in DATA_SUFFIXES,
                 f"data.path={d.path!r}: unsupported file type {local.suffix!r}; use .parquet, .jsonl or .json",
             )
+        if cfg.trainer.eval_every > 0:
+            validate_eval_data(cfg)
     else:
         at_least("data.num_examples", d.num_examples, 1)
         at_least("data.num_digits", d.num_digits, 1)
@@ -165,6 +172,31 @@ def validate_data(cfg: Config) -> None:
             f"data.rewards.{name}: unknown reward {name!r}; registered rewards are {', '.join(sorted(REWARDS))}",
         )
         check(math.isfinite(weight), f"data.rewards.{name}={weight} must be a finite number")
+
+
+def validate_eval_data(cfg: Config) -> None:
+    """gsm8k with trainer.eval_every: the held-out prompts exist (or are cached, offline)."""
+    d = cfg.data
+    path = d.eval_path or d.path or ""
+    if not d.eval_path:
+        check(
+            is_hub_id(path),
+            f"trainer.eval_every={cfg.trainer.eval_every} needs held-out prompts: data.path={d.path!r} "
+            "is a local file with one split; set data.eval_path=/path/to/test.parquet",
+        )
+    if is_hub_id(path):
+        if not cfg.dry_run:
+            check(
+                not hub_offline() or dataset_cached(path),
+                f"data.eval_path={path!r} is a hub dataset that is not in the Hugging Face cache, "
+                "and HF_HUB_OFFLINE is set; download it, or give a local .parquet/.jsonl file",
+            )
+        return
+    local = Path(path).expanduser()
+    check(
+        local.exists() and (local.is_dir() or local.suffix in DATA_SUFFIXES),
+        f"data.eval_path={d.eval_path!r} is not a .parquet/.jsonl/.json file or folder; give one",
+    )
 
 
 def validate_rl(cfg: Config) -> None:
@@ -195,8 +227,27 @@ def validate_rl(cfg: Config) -> None:
         )
     positive("rl.temperature", r.temperature)
     check(0 < r.top_p <= 1, f"rl.top_p={r.top_p} must be in (0, 1]")
+    at_least("rl.top_k", r.top_k, 0)
     check(0 < r.clip_low < 1, f"rl.clip_low={r.clip_low} must be in (0, 1)")
     positive("rl.clip_high", r.clip_high)
+    check(
+        r.clip_ratio_c is None or r.clip_ratio_c > 1,
+        f"rl.clip_ratio_c={r.clip_ratio_c} must be > 1 (the dual-clip bound sits above 1 + clip); "
+        "use null to turn it off",
+    )
+    at_least("rl.zero_std_eps", r.zero_std_eps, 0)
+    at_least("rl.max_sample_rounds", r.max_sample_rounds, 1)
+    at_least("rl.overlong_buffer", r.overlong_buffer, 0)
+    check(
+        r.overlong_buffer < r.max_new_tokens,
+        f"rl.overlong_buffer={r.overlong_buffer} must be below rl.max_new_tokens={r.max_new_tokens} "
+        f"(the penalty ramps over the last overlong_buffer tokens); use at most {r.max_new_tokens - 1}",
+    )
+    at_least("rl.overlong_penalty", r.overlong_penalty, 0)
+    check(
+        r.rollout_is_cap > 1,
+        f"rl.rollout_is_cap={r.rollout_is_cap} must be > 1 (weights are kept in [1/cap, cap])",
+    )
     at_least("rl.kl_coef", r.kl_coef, 0)
     at_least("rl.entropy_coef", r.entropy_coef, 0)
     if r.decode_attention == "triton":
@@ -222,6 +273,9 @@ def validate_rl(cfg: Config) -> None:
     at_least("trainer.max_bad_updates", t.max_bad_updates, 1)
     at_least("trainer.hang_timeout_s", t.hang_timeout_s, 30)
     at_least("trainer.check_replicas_every", t.check_replicas_every, 0)
+    at_least("trainer.eval_every", t.eval_every, 0)
+    at_least("trainer.eval_prompts", t.eval_prompts, 1)
+    at_least("trainer.eval_k", t.eval_k, 1)
 
 
 def validate(cfg: Config, visible_gpus: int, check_gpu_count: bool = True) -> None:

@@ -115,10 +115,10 @@ def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceili
                                    spans=rl.decode_spans, attention=attention)  # fmt: skip
         sync(device)
         t0 = time.perf_counter()
-        engine.generate(prompts, 1, params)  # compiles and captures each span's step
+        engine.generate(prompts, params)  # compiles and captures each span's step
         sync(device)
         first = time.perf_counter() - t0
-        t = timed(lambda: engine.generate(prompts, 1, params), device)  # noqa: B023 (called here)
+        t = timed(lambda: engine.generate(prompts, params), device)  # noqa: B023 (called here)
         timings.append({"overrides": overrides, "spans": rl.decode_spans, "attention": attention,
                         "engine_s": t, "first_call_s": first, "engine_over_floor": t / floor})  # fmt: skip
         if profile is not None:
@@ -142,9 +142,9 @@ def profile_decode(engine, prompts, params, device, path: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     engine.cuda_graph = False
-    engine.generate(prompts, 1, params)
+    engine.generate(prompts, params)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.generate(prompts, 1, params)
+        engine.generate(prompts, params)
         sync(device)
     engine.cuda_graph = device.type == "cuda"
     path.write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30))

@@ -49,8 +49,9 @@ def check_uneven_grpo_parity(out, layouts):
     data = json.loads(out.read_text())
     results, needs = data["results"], data["needs"]
     modes = ("responses2", "tokens24")
-    aggs = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-    assert set(results) == {f"{a}/{lay}/{m}" for a in aggs for lay in layouts for m in modes}
+    variants = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm",
+                "mis_token+mask_truncated", "gspo+tis_sequence")  # fmt: skip
+    assert set(results) == {f"{v}/{lay}/{m}" for v in variants for lay in layouts for m in modes}
     for key, r in results.items():
         assert r["grad"] <= 1.0, (key, r)  # same as one process over the whole batch
         assert r["ref_logp"] <= 1.0, (key, r)  # the reference pass, on the same plan
@@ -60,7 +61,8 @@ def check_uneven_grpo_parity(out, layouts):
 
 
 def test_grpo_loss_gradient_parity_uneven_ranks(tmp_path):
-    """Rank 0 only short rows, rank 1 only long, rank 2 mixed, rank 3 none; r1s4, r2s2, r4s1."""
+    """Rank 0 only short rows, rank 1 only long, rank 2 mixed, rank 3 none; r1s4, r2s2, r4s1;
+    every aggregation, and masked / truncated importance weights whose masks differ by rank."""
     out = tmp_path / "grpo.json"
     torchrun("grpo_parity.py", 4, str(tmp_path), str(out), "1", "2", "4")
     check_uneven_grpo_parity(out, ("r1s4", "r2s2", "r4s1"))

@@ -35,7 +35,7 @@ def test_sampling_logprobs_match_the_training_forward(top_p, spans, attention):
         temperature=0.7, top_p=top_p, max_new_tokens=6, eos_token_id=258, pad_token_id=256
     )
     torch.manual_seed(1)
-    rollout = engine.generate(prompts, 2, params)
+    rollout = engine.generate([p for p in prompts for _ in range(2)], params)
     assert len(rollout.response_ids) == 6 and all(1 <= len(r) <= 6 for r in rollout.response_ids)
     batch = collate(rollout, torch.zeros(6), torch.zeros(6), pad_id=256, device=torch.device("cpu"))
     with torch.no_grad():
@@ -43,7 +43,7 @@ def test_sampling_logprobs_match_the_training_forward(top_p, spans, attention):
     mask = batch.mask_NT.bool()
     assert (logp[mask] - batch.sampling_logp_NT[mask]).abs().max() < 1e-4
     # a second call reuses the buffers and still agrees
-    rollout2 = engine.generate(prompts[:2], 2, params)
+    rollout2 = engine.generate([p for p in prompts[:2] for _ in range(2)], params)
     batch2 = collate(
         rollout2, torch.zeros(4), torch.zeros(4), pad_id=256, device=torch.device("cpu")
     )

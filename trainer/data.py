@@ -11,7 +11,7 @@ place, a fixed-offset copy that attention over the prompt can learn next.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,34 +26,55 @@ class Prompt:
     answer: str  # what the reward functions compare against
 
 
-def synthetic_prompts(d: DataConfig, seed: int) -> list[Prompt]:
+def synthetic_digits(d: DataConfig, seed: int, count: int) -> list[str]:
     rng = random.Random(seed)
-    out = []
-    for _ in range(d.num_examples):
-        digits = "".join(rng.choice("0123456789") for _ in range(d.num_digits))
-        out.append(Prompt(text=f"{digits}=", answer=digits))
+    return ["".join(rng.choice("0123456789") for _ in range(d.num_digits)) for _ in range(count)]
+
+
+def synthetic_prompts(d: DataConfig, seed: int) -> list[Prompt]:
+    return [Prompt(f"{x}=", x) for x in synthetic_digits(d, seed, d.num_examples)]
+
+
+def synthetic_eval_prompts(d: DataConfig, seed: int, count: int) -> list[Prompt]:
+    """`count` distinct prompts that the training set (`synthetic_prompts`) never holds."""
+    train = set(synthetic_digits(d, seed, d.num_examples))
+    if 10**d.num_digits - len(train) < count:
+        raise RunError(
+            f"trainer.eval_prompts={count}: data=synthetic with data.num_digits={d.num_digits} has "
+            f"only {10**d.num_digits - len(train)} prompts outside its {d.num_examples} training "
+            "examples; raise data.num_digits or lower trainer.eval_prompts / data.num_examples"
+        )
+    rng, out, seen = random.Random(mixed_seed(seed, -1)), list[Prompt](), set(train)
+    while len(out) < count:
+        x = "".join(rng.choice("0123456789") for _ in range(d.num_digits))
+        if x not in seen:
+            seen.add(x)
+            out.append(Prompt(f"{x}=", x))
     return out
 
 
-def load_rows(d: DataConfig):
+def load_rows(path: str, hub_config: str | None, split: str):
     import datasets
 
-    assert d.path, "data.path is required for data=gsm8k (validated)"
-    if is_hub_id(d.path):
-        return datasets.load_dataset(d.path, d.hub_config, split=d.split)
-    path = Path(d.path).expanduser()
-    kind = "parquet" if path.suffix == ".parquet" or path.is_dir() else "json"
-    files = [str(p) for p in sorted(path.glob("*.parquet"))] if path.is_dir() else str(path)
+    if is_hub_id(path):
+        return datasets.load_dataset(path, hub_config, split=split)
+    local = Path(path).expanduser()
+    kind = "parquet" if local.suffix == ".parquet" or local.is_dir() else "json"
+    files = [str(p) for p in sorted(local.glob("*.parquet"))] if local.is_dir() else str(local)
     return datasets.load_dataset(kind, data_files=files, split="train")
 
 
-def dataset_prompts(d: DataConfig, tokenizer) -> list[Prompt]:
-    rows = load_rows(d)
+def dataset_prompts(d: DataConfig, tokenizer, evaluation: bool = False) -> list[Prompt]:
+    """The prompts of data.path's data.split, or for evaluation data.eval_path's (data.path's
+    when null) data.eval_split."""
+    path = (d.eval_path or d.path) if evaluation else d.path
+    assert path, "data.path is required for data=gsm8k (validated)"
+    rows = load_rows(path, d.hub_config, d.eval_split if evaluation else d.split)
     missing = {d.question_key, d.answer_key} - set(rows.column_names)
     if missing:
         raise RunError(
-            f"data.path={d.path!r} has no column(s) {sorted(missing)}; it has {rows.column_names} "
-            "(set data.question_key / data.answer_key)"
+            f"{'data.eval_path' if evaluation else 'data.path'}={path!r} has no column(s) "
+            f"{sorted(missing)}; it has {rows.column_names} (set data.question_key / data.answer_key)"
         )
     out = []
     for row in rows:
@@ -66,7 +87,8 @@ def dataset_prompts(d: DataConfig, tokenizer) -> list[Prompt]:
             )
         out.append(Prompt(text=question, answer=str(row[d.answer_key])))
     if not out:
-        raise RunError(f"data.path={d.path!r} split {d.split!r} has no rows; check data.split")
+        split = d.eval_split if evaluation else d.split
+        raise RunError(f"{path!r} split {split!r} has no rows; check data.split / data.eval_split")
     return out
 
 
@@ -74,13 +96,25 @@ def load_prompts(d: DataConfig, tokenizer, seed: int) -> list[Prompt]:
     return synthetic_prompts(d, seed) if d.name == "synthetic" else dataset_prompts(d, tokenizer)
 
 
+def load_eval_prompts(cfg: Config, tokenizer) -> list[Prompt]:
+    """trainer.eval_prompts held-out prompts (the first ones of the held-out set, the same on
+    every rank and at every evaluation)."""
+    d, count = cfg.data, cfg.trainer.eval_prompts
+    if d.name == "synthetic":
+        return synthetic_eval_prompts(d, cfg.trainer.seed, count)
+    return dataset_prompts(d, tokenizer, evaluation=True)[:count]
+
+
 @dataclass
 class Task:
-    """The tokenizer, the prompts and their token ids (tokenized once, not every step)."""
+    """The tokenizer, the prompts and their token ids (tokenized once, not every step);
+    with trainer.eval_every, the held-out prompts too."""
 
     tokenizer: Any  # a transformers tokenizer
     prompts: list[Prompt]
     prompt_ids: list[list[int]]
+    eval_prompts: list[Prompt] = field(default_factory=list)
+    eval_prompt_ids: list[list[int]] = field(default_factory=list)
 
 
 def load_task(cfg: Config, local_rank: int, max_positions: int) -> Task:
@@ -98,9 +132,10 @@ def load_task(cfg: Config, local_rank: int, max_positions: int) -> Task:
     if download and local_rank != 0:
         dist.barrier()
     prompts = load_prompts(cfg.data, tokenizer, cfg.trainer.seed)
+    evals = load_eval_prompts(cfg, tokenizer) if cfg.trainer.eval_every > 0 else []
     if download and local_rank == 0:
         dist.barrier()
-    ids = tokenizer([p.text for p in prompts], add_special_tokens=False).input_ids
+    ids = tokenizer([p.text for p in prompts + evals], add_special_tokens=False).input_ids
     longest = max(range(len(ids)), key=lambda i: len(ids[i]))
     need = len(ids[longest]) + cfg.rl.max_new_tokens
     if need > max_positions:  # the same prompts on every rank: every rank raises alike
@@ -110,7 +145,7 @@ def load_task(cfg: Config, local_rank: int, max_positions: int) -> Task:
             f"model's max_position_embeddings={max_positions}; lower rl.max_new_tokens to at most "
             f"{max_positions - len(ids[longest])} or shorten the prompts"
         )
-    return Task(tokenizer, prompts, ids)
+    return Task(tokenizer, prompts, ids[: len(prompts)], evals, ids[len(prompts) :])
 
 
 def mixed_seed(seed: int, *parts: int) -> int:
@@ -150,11 +185,22 @@ class PromptSampler:
             self._perm = (epoch, order)
         return self._perm[1]
 
-    def global_indices(self, step: int) -> list[int]:
-        epoch, k = divmod(step, self.steps_per_epoch)
-        start = k * self.prompts_per_step
-        return self.permutation(epoch)[start : start + self.prompts_per_step]
+    def global_indices(self, step: int, sample_round: int = 0) -> list[int]:
+        """The step's prompts; for a later round of dynamic sampling (`sample_round` > 0), more:
+        a permutation seeded by (seed, step, round) without the step's earlier rounds' prompts
+        (repeats only when the data has too few). Extra rounds leave the epoch's order alone, so
+        the prompts of every step stay a function of (seed, step) and resume stays exact."""
+        if sample_round == 0:
+            epoch, k = divmod(step, self.steps_per_epoch)
+            start = k * self.prompts_per_step
+            return self.permutation(epoch)[start : start + self.prompts_per_step]
+        used = {i for r in range(sample_round) for i in self.global_indices(step, r)}
+        order = list(range(self.num_prompts))
+        random.Random(mixed_seed(self.seed, step, sample_round)).shuffle(order)
+        fresh = [i for i in order if i not in used] + [i for i in order if i in used]
+        return fresh[: self.prompts_per_step]
 
-    def indices(self, step: int) -> list[int]:
+    def indices(self, step: int, sample_round: int = 0) -> list[int]:
         per_rank = self.prompts_per_step // self.dp_size
-        return self.global_indices(step)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        lo = self.dp_rank * per_rank
+        return self.global_indices(step, sample_round)[lo : lo + per_rank]

@@ -8,7 +8,8 @@ keeps that the only work, in four pieces, one job each:
   modules' own parameters become row views of one fused weight, so the refresh (which copies
   into those parameters) fills the fused weight with no extra memory or copy. It owns the cache,
   allocated once at its full size (batch x (prompt + max_new_tokens), rounded up to 64).
-- `sample`: temperature / top-p sampling and the sampled token's log-prob, one pass.
+- `sample`: temperature / top-k / top-p sampling (or greedy, per row) and the sampled token's
+  log-prob under the distribution it was drawn from, one pass.
 - `CapturedSteps`: each decode step (all layers, the lm_head, sampling) as one function,
   compiled by torch.compile and captured once as a CUDA graph per (span, cache length), then
   replayed every token with no Python or launch overhead.
@@ -72,16 +73,26 @@ def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | No
     return weight, bias
 
 
-def sample(logits_BV: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample under softmax(logits / T) restricted to the top-p nucleus; log-prob under the full one."""
-    logp = F.log_softmax(logits_BV.float() / params.temperature, dim=-1)
-    probs = logp.exp()
+def sample(
+    logits_BV: torch.Tensor, params: SamplingParams, greedy_B: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw from softmax(logits / T) cut to the top-k tokens and the top-p nucleus and
+    renormalised; return the token and its log-prob under that distribution, the one it was
+    really drawn from. Rows where `greedy_B` is set take the argmax instead."""
+    z = logits_BV.float() / params.temperature
+    if params.top_k > 0:
+        kth = z.topk(min(params.top_k, z.shape[-1]), dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, -torch.inf)
     if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        sorted_p = sorted_z.softmax(-1)
         drop = sorted_p.cumsum(-1) - sorted_p > params.top_p  # keep the first token always
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        z = z.scatter(-1, order, sorted_z.masked_fill(drop, -torch.inf))
+    logp = F.log_softmax(z, dim=-1)
     # exponential race: argmax p / E with E ~ Exp(1) is a draw from p (one pass, no multinomial)
-    token = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    token = (logp.exp() / torch.empty_like(logp).exponential_()).argmax(-1)
+    if greedy_B is not None:
+        token = torch.where(greedy_B, z.argmax(-1), token)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
@@ -116,6 +127,7 @@ class FusedQwen3:
         self.pos = torch.zeros(batch, dtype=torch.long, device=dev)
         self.col = torch.zeros(1, dtype=torch.long, device=dev)
         self.logp = torch.zeros(batch, dtype=torch.float32, device=dev)
+        self.greedy = torch.zeros(batch, dtype=torch.bool, device=dev)  # rows that take the argmax
         self.shape = (batch, length)
         return True
 
@@ -172,7 +184,7 @@ class FusedQwen3:
         self.key_valid.index_fill_(1, self.col, True)
         mask = self.key_valid[:, None, None, :span]
         logits = self.forward(self.tok[:, None], self.pos[:, None], self.col, mask)
-        token, logp = sample(logits, params)
+        token, logp = sample(logits, params, self.greedy)
         self.tok.copy_(token)
         self.logp.copy_(logp)
         self.pos.add_(1)
@@ -269,12 +281,16 @@ class StaticCacheEngine:
                 return bound
         return length
 
+    def rows_per_call(self) -> int | None:
+        """The batch the buffers (and captured steps) are sized for: calls of this many rows
+        reuse them, any other count reallocates and recompiles. None before the first call."""
+        return None if self.net.shape is None else self.net.shape[0]
+
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams
+        self, rows: list[list[int]], params: SamplingParams, greedy: list[bool] | None = None
     ) -> Rollout:
         net, new = self.net, params.max_new_tokens
-        rows = [p for p in prompts for _ in range(samples_per_prompt)]
         ids, valid = left_pad(rows, params.pad_token_id)
         b, width = ids.shape
         # rounded up so that prompt widths varying by step reuse the buffers and compiled spans
@@ -291,7 +307,8 @@ class StaticCacheEngine:
         mask = (net.key_valid[:, None, None, :width] & causal) | torch.eye(
             width, dtype=torch.bool, device=self.device
         )
-        token, logp = sample(net.forward(ids, pos, cols, mask), params)  # prefill
+        net.greedy.copy_(torch.tensor(greedy or [False] * b, dtype=torch.bool))
+        token, logp = sample(net.forward(ids, pos, cols, mask), params, net.greedy)  # prefill
         tokens_BN = torch.empty((b, new), dtype=torch.long, device=self.device)
         logps_BN = torch.empty((b, new), dtype=torch.float32, device=self.device)
         tokens_BN[:, 0], logps_BN[:, 0] = token, logp

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -27,18 +26,24 @@ class DPSums:
     def __init__(self, device: torch.device):
         self.device = device
         self.sums: dict[str, torch.Tensor] = {}
-        self.maxes: dict[str, float] = {}
-        self.mins: dict[str, float] = {}
+        self.maxes: dict[str, torch.Tensor] = {}
+        self.mins: dict[str, torch.Tensor] = {}
+
+    def _tensor(self, value: torch.Tensor | float) -> torch.Tensor:
+        # kept on the device: a tensor value costs no host sync until `reduce`
+        return torch.as_tensor(value, dtype=torch.float64, device=self.device).detach().double()
 
     def add(self, name: str, value: torch.Tensor | float) -> None:
-        value = torch.as_tensor(value, dtype=torch.float64, device=self.device).detach().double()
+        value = self._tensor(value)
         self.sums[name] = self.sums[name] + value if name in self.sums else value
 
-    def max(self, name: str, value: float) -> None:
-        self.maxes[name] = max(self.maxes.get(name, -math.inf), value)
+    def max(self, name: str, value: torch.Tensor | float) -> None:
+        value = self._tensor(value)
+        self.maxes[name] = torch.maximum(self.maxes[name], value) if name in self.maxes else value
 
-    def min(self, name: str, value: float) -> None:
-        self.mins[name] = min(self.mins.get(name, math.inf), value)
+    def min(self, name: str, value: torch.Tensor | float) -> None:
+        value = self._tensor(value)
+        self.mins[name] = torch.minimum(self.mins[name], value) if name in self.mins else value
 
     def reduce(self, group) -> dict[str, float]:
         """Collective over `group`: every rank must have added the same names (they come from
@@ -52,7 +57,7 @@ class DPSums:
         for values, op in ((self.maxes, dist.ReduceOp.MAX), (self.mins, dist.ReduceOp.MIN)):
             if values:
                 keys = sorted(values)
-                m = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=self.device)
+                m = torch.stack([values[k].reshape(()) for k in keys])
                 dist.all_reduce(m, op=op, group=group)
                 out.update(zip(keys, m.tolist()))
         return out
@@ -65,6 +70,7 @@ class MetricsLogger:
         self.wandb = None
         self.start = time.perf_counter()
         self.first_step: int | None = None
+        self.last_eval: tuple[int, float, float] | None = None  # step, pass@1, pass@k
         if is_main and cfg.logger.backend == "wandb" and cfg.logger.mode != "disabled":
             self.wandb = self._init_wandb()
 
@@ -140,10 +146,16 @@ class MetricsLogger:
             self.first_step = step
         elapsed = time.perf_counter() - self.start
         eta = elapsed / (step - self.first_step + 1) * (total - step)
+        if "eval/pass@1" in m:
+            self.last_eval = (step, m["eval/pass@1"], m["eval/pass@k"])
+        evaluation = ""
+        if self.last_eval is not None:
+            at, p1, pk = self.last_eval
+            evaluation = f" | pass@1 {p1:.3f} pass@{self.cfg.trainer.eval_k} {pk:.3f} (step {at})"
         print(
             f"step {step}/{total} | reward {m['rollout/reward_mean']:.3f} | len {m['rollout/response_len_mean']:.1f}"
             f" | loss {m['train/loss']:+.4f} | kl {m['train/kl']:.4f} | grad {m['train/grad_norm']:.3f}"
-            f" | {m['time/step_s']:.2f}s/step | eta {eta:.0f}s",
+            f" | {m['time/step_s']:.2f}s/step | eta {eta:.0f}s{evaluation}",
             file=sys.stdout,
             flush=True,
         )

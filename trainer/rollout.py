@@ -27,6 +27,7 @@ class SamplingParams:
     max_new_tokens: int
     eos_token_id: int
     pad_token_id: int
+    top_k: int = 0  # 0: off
 
 
 @dataclass
@@ -35,8 +36,19 @@ class Rollout:
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]  # sampled tokens, ending with EOS unless truncated
-    sampling_logprobs: list[torch.Tensor]  # log p(token) under softmax(logits / temperature)
+    # log p(token) under the distribution it was drawn from: softmax(logits / temperature), cut
+    # to rl.top_k / rl.top_p and renormalised (the full one when neither is set)
+    sampling_logprobs: list[torch.Tensor]
     truncated: list[bool]
+
+    def __add__(self, other: Rollout) -> Rollout:
+        return Rollout(self.prompt_ids + other.prompt_ids, self.response_ids + other.response_ids,
+                       self.sampling_logprobs + other.sampling_logprobs,
+                       self.truncated + other.truncated)  # fmt: skip
+
+    def select(self, rows: list[int]) -> Rollout:
+        return Rollout([self.prompt_ids[i] for i in rows], [self.response_ids[i] for i in rows],
+                       [self.sampling_logprobs[i] for i in rows], [self.truncated[i] for i in rows])  # fmt: skip
 
 
 def trim_at_eos(
@@ -55,9 +67,13 @@ def trim_at_eos(
 class RolloutEngine(Protocol):
     def load_weights(self, policy: CausalLM) -> None: ...
 
+    def rows_per_call(self) -> int | None: ...
+
     def generate(
-        self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams
-    ) -> Rollout: ...
+        self, rows: list[list[int]], params: SamplingParams, greedy: list[bool] | None = None
+    ) -> Rollout:
+        """One response per row (a prompt's token ids); rows marked in `greedy` take the argmax."""
+        ...
 
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,22 +131,36 @@ class HFRolloutEngine:
     def load_weights(self, policy: CausalLM) -> None:
         copy_sharded_weights(policy, self.model)
 
+    def rows_per_call(self) -> int | None:
+        return None  # any batch: generate keeps no buffers
+
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], samples_per_prompt: int, params: SamplingParams
+        self, rows: list[list[int]], params: SamplingParams, greedy: list[bool] | None = None
     ) -> Rollout:
-        rows = [p for p in prompts for _ in range(samples_per_prompt)]
+        flags = greedy or [False] * len(rows)
+        out = Rollout([], [], [], [])
+        order: list[int] = []  # the row each of out's rows answers
+        for g in (False, True):  # `generate` samples or decodes greedily for a whole batch
+            idx = [i for i, f in enumerate(flags) if f == g]
+            if idx:
+                out = out + self._generate([rows[i] for i in idx], params, greedy=g)
+                order += idx
+        position = {row: k for k, row in enumerate(order)}
+        return out.select([position[i] for i in range(len(rows))])
+
+    def _generate(self, rows: list[list[int]], params: SamplingParams, greedy: bool) -> Rollout:
         input_ids, valid = left_pad(rows, params.pad_token_id)
         width = input_ids.shape[1]
+        sampling = {"do_sample": False} if greedy else {
+            "do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k}  # fmt: skip
         generation = GenerationConfig(
-            do_sample=True,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=0,
+            **sampling,
             max_new_tokens=params.max_new_tokens,
             eos_token_id=params.eos_token_id,
             pad_token_id=params.pad_token_id,
-            output_logits=True,
+            output_scores=True,
             return_dict_in_generate=True,
         )
         out = self.model.generate(
@@ -139,14 +169,13 @@ class HFRolloutEngine:
             generation_config=generation,
         )
         new_NT = out.sequences[:, width:]
-        # out.logits: one (N, V) tensor per step, raw (before temperature and top-p); one
-        # step at a time so no (N, T, V) fp32 tensor is made.
+        # out.scores: one (N, V) tensor per step, the logits after the processors generate applied
+        # (/ temperature, -inf outside top-k and top-p): their log-softmax is the distribution
+        # the token was drawn from. One step at a time, so no (N, T, V) fp32 tensor is made.
         logp_NT = torch.stack(
             [
-                F.log_softmax(step_NV.float() / params.temperature, dim=-1)
-                .gather(-1, new_NT[:, t, None])
-                .squeeze(-1)
-                for t, step_NV in enumerate(out.logits)
+                F.log_softmax(step_NV.float(), dim=-1).gather(-1, new_NT[:, t, None]).squeeze(-1)
+                for t, step_NV in enumerate(out.scores)
             ],
             dim=1,
         ).cpu()

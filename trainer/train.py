@@ -21,18 +21,28 @@ import torch
 import torch.distributed as dist
 
 from launcher.run_folder import stop_file
-from launcher.schema import Config, OptimConfig, rewards_of
+from launcher.schema import TASK_CORRECTNESS, Config, OptimConfig, rewards_of
 from trainer import checkpoint, micro_batches
 from trainer.data import PromptSampler, Task, load_task, mixed_seed
 from trainer.engine import StaticCacheEngine
-from trainer.grpo import group_advantages, grpo_token_loss, loss_weights, token_logprobs
-from trainer.metrics import MetricsLogger
+from trainer.grpo import (
+    fair_shares,
+    group_advantages,
+    grpo_token_loss,
+    loss_weights,
+    overlong_penalty,
+    pass_at_k,
+    rollout_is_weights,
+    token_logprobs,
+    zero_std_groups,
+)
+from trainer.metrics import DPSums, MetricsLogger
 from trainer.micro_batches import MicroBatch
 from trainer.model import CausalLM, build_model, compute_dtype
 from trainer.parallel import ParallelState, any_rank
 from trainer.perf import peak_flops, peak_memory_gb
 from trainer.replicas import check_replicas
-from trainer.rewards import score
+from trainer.rewards import REWARDS, score
 from trainer.rollout import HFRolloutEngine, Rollout, RolloutEngine, SamplingParams
 from trainer.stats import StepStats
 from trainer.watchdog import NoWatchdog
@@ -54,6 +64,8 @@ class Batch:
     truncated_N: torch.Tensor
     ref_logp_NT: torch.Tensor | None = None
     old_logp_NT: torch.Tensor | None = None  # filled by the first update of a step
+    is_keep_NT: torch.Tensor | None = None  # rl.rollout_correction=mis: 1 where rho is kept
+    loss_mask_NT: torch.Tensor | None = None  # response tokens that count in the loss
     weights_NT: torch.Tensor | None = None  # per-token loss weights from the global counts
 
     @property
@@ -84,8 +96,10 @@ def collate(
     pad_id: int,
     device: torch.device,
 ) -> Batch:
-    n = len(rollout.response_ids)
-    width = max(len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids))
+    n = len(rollout.response_ids)  # 0 on a rank that dynamic sampling left without groups
+    width = max(
+        (len(p) + len(r) for p, r in zip(rollout.prompt_ids, rollout.response_ids)), default=2
+    )
     ids = torch.full((n, width), pad_id, dtype=torch.long)
     attn = torch.zeros((n, width), dtype=torch.long)
     mask = torch.zeros((n, width - 1))
@@ -177,12 +191,14 @@ class GRPOTrainer:
         self.sampler = PromptSampler(
             len(self.prompts), self.rl.prompts_per_step, ps.dp_rank, ps.dp_size, cfg.trainer.seed
         )
+        self.eval_prompts, self.eval_prompt_ids = task.eval_prompts, task.eval_prompt_ids
         self.sampling = SamplingParams(
             self.rl.temperature,
             self.rl.top_p,
             self.rl.max_new_tokens,
             self.tokenizer.eos_token_id,
             self.tokenizer.pad_token_id,
+            self.rl.top_k,
         )
         self.engine = make_engine(cfg, model.config, device)
         self.engine.load_weights(model)
@@ -229,7 +245,10 @@ class GRPOTrainer:
         step, stopping = self.resume(), False
         while step < self.cfg.trainer.max_steps and not stopping:
             step += 1
-            self.metrics.log(self.step(step))
+            metrics = self.step(step)
+            if self.eval_due(step):
+                metrics.update(self.evaluate(step))
+            self.metrics.log(metrics)
             self.phase("stop decision")
             stopping = self.stop_requested()
             self.phase("checkpoint")
@@ -251,13 +270,21 @@ class GRPOTrainer:
             clock.append(time.perf_counter())
 
         self.phase("rollout")
-        batch = self.rollout(step, stats)
+        batch, kept_groups = self.rollout(step, stats)
         lap()
         plan = self.micro_batches(batch, stats)
         if self.reference is not None:
-            batch.ref_logp_NT = self.reference_logprobs(batch, plan)
+            batch.ref_logp_NT = self.logprobs(self.reference, batch, plan, "reference")
+        if self.rl.rollout_correction == "mis":  # which tokens the learner keeps, before the loss
+            batch.is_keep_NT = self.mis_keep(batch, plan)
         lap()
-        self.update(batch, plan, stats)
+        if kept_groups > 0:  # the global count: every rank updates, or none does
+            self.update(batch, plan, stats)
+        else:
+            stats.update([], float(self.scheduler.get_last_lr()[0]))
+            if self.ps.rank == 0:
+                print(f"step {step}: no group with reward spread after {self.rl.max_sample_rounds} "
+                      "sampling rounds; update skipped", flush=True)  # fmt: skip
         lap()
         self.check_replicas(step, stats)
         self.phase("weight refresh")
@@ -299,26 +326,129 @@ class GRPOTrainer:
         return {"world_size": self.ps.world_size, "dp_replicate_size": self.ps.dp_replicate_size,
                 "dp_shard_size": self.ps.dp_shard_size}  # fmt: skip
 
-    def rollout(self, step: int, stats: StepStats) -> Batch:
-        g = self.rl.samples_per_prompt
-        indices = self.sampler.indices(step - 1)
-        prompts = [self.prompts[i] for i in indices]
-        prompt_ids = [self.prompt_ids[i] for i in indices]
-        # Sampling randomness is a function of (seed, step, dp rank) alone.
-        torch.manual_seed(mixed_seed(self.cfg.trainer.seed, step, self.ps.dp_rank))
-        rollout = self.engine.generate(prompt_ids, g, self.sampling)
-        texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
-        rewards_N = torch.tensor(
-            [score(t, prompts[i // g].answer, self.rewards) for i, t in enumerate(texts)]
-        )
-        advantages_N = group_advantages(
-            rewards_N.view(-1, g), self.rl.std_normalize, self.rl.adv_eps
-        ).view(-1)
+    def rollout(self, step: int, stats: StepStats) -> tuple[Batch, int]:
+        """Sample, score and shape this rank's groups; with rl.dynamic_sampling, in rounds until
+        the ranks together hold rl.prompts_per_step groups with reward spread. Returns the batch
+        and the number of groups all ranks together train on."""
+        rl, g = self.rl, self.rl.samples_per_prompt
+        kept: list[
+            tuple[Rollout, torch.Tensor, torch.Tensor]
+        ] = []  # (rollout, task rewards, shaped)
+        rounds = rl.max_sample_rounds if rl.dynamic_sampling else 1
+        for sample_round in range(rounds):
+            self.phase(f"rollout, round {sample_round + 1}" if rl.dynamic_sampling else "rollout")
+            rollout, rewards_N, shaped_N = self.sample_groups(step, sample_round)
+            no_signal_P = zero_std_groups(shaped_N.view(-1, g), rl.zero_std_eps)
+            stats.sampled(rollout, rewards_N, shaped_N - rewards_N, no_signal_P)
+            keep_P = ~no_signal_P if rl.dynamic_sampling else torch.ones_like(no_signal_P)
+            rows = [i for i in range(len(rewards_N)) if keep_P[i // g]]
+            kept.append((rollout.select(rows), rewards_N[rows], shaped_N[rows]))
+            if not rl.dynamic_sampling:
+                break
+            # Collective: the groups kept so far, summed over dp; every rank leaves together.
+            if (
+                self.dp_sum(sum(len(r.response_ids) for r, _, _ in kept) // g)
+                >= rl.prompts_per_step
+            ):
+                break
+        rollout = sum((r for r, _, _ in kept[1:]), kept[0][0])
+        rewards_N, shaped_N = torch.cat([r for _, r, _ in kept]), torch.cat([s for _, _, s in kept])
+        total = rl.prompts_per_step  # without dynamic sampling every group trains
+        if rl.dynamic_sampling:
+            # Collective: every rank's kept count (a one-hot all-reduce) -> the same fair cut on all
+            counts = torch.zeros(self.ps.dp_size, dtype=torch.long, device=self.ps.device)
+            counts[self.ps.dp_rank] = len(rewards_N) // g
+            dist.all_reduce(counts, group=self.dp_group)
+            shares = fair_shares(counts.tolist(), rl.prompts_per_step)
+            rows = list(range(shares[self.ps.dp_rank] * g))
+            rollout, rewards_N, shaped_N = rollout.select(rows), rewards_N[rows], shaped_N[rows]
+            total = sum(shares)
+        advantages_N = group_advantages(shaped_N.view(-1, g), rl.std_normalize, rl.adv_eps).view(-1)
         batch = collate(
             rollout, rewards_N, advantages_N, self.tokenizer.pad_token_id, self.ps.device
         )
-        stats.rollout(batch, sum(len(p) for p in rollout.prompt_ids))
-        return batch
+        stats.train_batch(batch, sum(map(len, rollout.prompt_ids)), sample_round + 1, total)
+        return batch, total
+
+    def sample_groups(self, step: int, sample_round: int):
+        """One round: this rank's share of the round's prompts, `samples_per_prompt` responses
+        each; their task rewards, and the rewards with DAPO's overlong shaping added."""
+        rl, g = self.rl, self.rl.samples_per_prompt
+        indices = self.sampler.indices(step - 1, sample_round)
+        # Sampling randomness is a function of (seed, step, dp rank[, round]) alone.
+        extra = (sample_round,) if sample_round else ()
+        torch.manual_seed(mixed_seed(self.cfg.trainer.seed, step, self.ps.dp_rank, *extra))
+        rows = [self.prompt_ids[i] for i in indices for _ in range(g)]
+        rollout = self.engine.generate(rows, self.sampling)
+        texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
+        answers = [self.prompts[i].answer for i in indices for _ in range(g)]
+        rewards_N = torch.tensor([score(t, a, self.rewards) for t, a in zip(texts, answers)])
+        lengths_N = torch.tensor([len(r) for r in rollout.response_ids], dtype=torch.float)
+        penalty_N = overlong_penalty(lengths_N, rl.max_new_tokens, rl.overlong_buffer,
+                                     rl.overlong_penalty)  # fmt: skip
+        return rollout, rewards_N, rewards_N + penalty_N
+
+    def eval_due(self, step: int) -> bool:
+        """Every trainer.eval_every steps and at the last step: a config fact, the same on every rank."""
+        every = self.cfg.trainer.eval_every
+        return every > 0 and (step % every == 0 or step == self.cfg.trainer.max_steps)
+
+    @torch.no_grad()
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Collective (one all-reduce at the end): the held-out prompts, split over the dp ranks
+        (rank i takes prompts i, i + dp, ...; a rank may get none). Each prompt gets one greedy
+        response (pass@1) and trainer.eval_k samples at the training temperature (pass@k by the
+        unbiased estimator, and the mean reward and length of the samples). A response is
+        correct when the task's correctness reward (TASK_CORRECTNESS) is 1."""
+        self.phase("evaluation")
+        started, k = time.perf_counter(), self.cfg.trainer.eval_k
+        mine = range(self.ps.dp_rank, len(self.eval_prompts), self.ps.dp_size)
+        rows = [self.eval_prompt_ids[i] for i in mine for _ in range(1 + k)]
+        greedy = [j == 0 for _ in mine for j in range(1 + k)]
+        torch.manual_seed(mixed_seed(self.cfg.trainer.seed, step, self.ps.dp_rank, -1))
+        responses = self.generate_in_engine_batches(rows, greedy)
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        correct = REWARDS[TASK_CORRECTNESS[self.cfg.data.name]]
+        sums = DPSums(self.ps.device)
+        for n, i in enumerate(mine):
+            answer = self.eval_prompts[i].answer
+            group = range(n * (1 + k), (n + 1) * (1 + k))
+            right = [correct(texts[j], answer) >= 1.0 for j in group]
+            samples = group[1:]
+            sums.add("prompts", 1)
+            sums.add("greedy_correct", float(right[0]))
+            sums.add("pass_at_k", pass_at_k(k, sum(right[1:]), k))
+            sums.add("reward", sum(score(texts[j], answer, self.rewards) for j in samples))
+            sums.add("length", sum(len(responses[j]) for j in samples))
+        for name in ("prompts", "greedy_correct", "pass_at_k", "reward", "length"):
+            sums.add(name, 0.0)  # every rank adds every name, one with no prompts too
+        sums.max("time/eval_s", time.perf_counter() - started)
+        r = sums.reduce(self.dp_group)
+        num = max(r["prompts"], 1.0)
+        return {"eval/pass@1": r["greedy_correct"] / num, "eval/pass@k": r["pass_at_k"] / num,
+                "eval/reward_mean": r["reward"] / (num * k), "eval/response_len_mean": r["length"] / (num * k),
+                "time/eval_s": r["time/eval_s"]}  # fmt: skip
+
+    def generate_in_engine_batches(
+        self, rows: list[list[int]], greedy: list[bool]
+    ) -> list[list[int]]:
+        """Responses for `rows`, run in batches of the size the engine's buffers and captured
+        steps already have (the static engine recompiles for any other), the last one padded."""
+        size = self.engine.rows_per_call() or max(len(rows), 1)
+        out: list[list[int]] = []
+        for start in range(0, len(rows), size):
+            chunk, flags = rows[start : start + size], greedy[start : start + size]
+            pad = size - len(chunk) if self.engine.rows_per_call() else 0
+            result = self.engine.generate(
+                chunk + [chunk[0]] * pad, self.sampling, flags + [False] * pad
+            )
+            out += result.response_ids[: len(chunk)]
+        return out
+
+    def dp_sum(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.long, device=self.ps.device)
+        dist.all_reduce(t, group=self.dp_group)
+        return int(t.item())
 
     def micro_batches(self, batch: Batch, stats: StepStats | None = None) -> list[MicroBatch]:
         """Collective: this rank's micro-batches for the step, as many as every other rank runs
@@ -334,15 +464,28 @@ class GRPOTrainer:
         return plan
 
     @torch.no_grad()
-    def reference_logprobs(self, batch: Batch, plan: list[MicroBatch]) -> torch.Tensor:
+    def logprobs(
+        self, model: CausalLM, batch: Batch, plan: list[MicroBatch], name: str
+    ) -> torch.Tensor:
+        """Log-probs of the batch's targets under `model` (no grad), N x T."""
         out = torch.zeros_like(batch.sampling_logp_NT)
         for k, mb in enumerate(plan):  # the agreed count: every rank runs as many forwards
-            self.phase(f"reference, micro-batch {k + 1}/{len(plan)}")
-            logp = sequence_logprobs(self.reference, batch.rows(mb), self.rl.temperature,
+            self.phase(f"{name}, micro-batch {k + 1}/{len(plan)}")
+            logp = sequence_logprobs(model, batch.rows(mb), self.rl.temperature,
                                      self.rl.logprob_chunk_tokens)[0]  # fmt: skip
             if not mb.empty:
                 out[mb.rows, : mb.width - 1] = logp
         return out
+
+    def mis_keep(self, batch: Batch, plan: list[MicroBatch]) -> torch.Tensor:
+        """rl.rollout_correction=mis: the tokens (or responses) whose learner/sampler ratio lies in
+        [1/cap, cap], from a forward pass of the policy that sampled; the others leave the loss
+        and its counts, so they must be known before the loss weights (one extra forward)."""
+        learner = self.logprobs(self.model, batch, plan, "learner log-probs")
+        rl = self.rl
+        _, keep, _ = rollout_is_weights(learner, batch.sampling_logp_NT, batch.mask_NT, "mis",
+                                        rl.rollout_is_cap, rl.rollout_is_level)  # fmt: skip
+        return keep * batch.mask_NT
 
     def update(self, batch: Batch, plan: list[MicroBatch], stats: StepStats) -> None:
         """`rl.updates_per_step` optimizer steps on this rollout batch."""
@@ -356,19 +499,29 @@ class GRPOTrainer:
         stats.update(grad_norms, float(self.last_lr))
 
     def prepare_update(self, batch: Batch) -> None:
-        """Collective: the loss weights (from global counts) and room for the old log-probs."""
-        batch.weights_NT = self.loss_weights(batch)
+        """Collective: the loss mask, the loss weights (from global counts) and room for the old
+        log-probs."""
+        mask = batch.mask_NT
+        if self.rl.mask_truncated:  # DAPO's overlong filtering
+            mask = mask * (1 - batch.truncated_N).unsqueeze(-1)
+        if batch.is_keep_NT is not None:
+            mask = mask * batch.is_keep_NT
+        batch.loss_mask_NT = mask
+        batch.weights_NT = self.loss_weights(mask)
         batch.old_logp_NT = torch.zeros_like(batch.sampling_logp_NT)
 
-    def loss_weights(self, batch: Batch) -> torch.Tensor:
-        """Per-token weights from the counts of the whole batch over all dp ranks."""
+    def loss_weights(self, loss_mask_NT: torch.Tensor) -> torch.Tensor:
+        """Per-token weights from the counts of the whole batch over all dp ranks: loss tokens,
+        and responses with at least one (every response, unless masked out)."""
         t = torch.tensor(
-            [batch.mask_NT.sum().item(), batch.size], dtype=torch.float64, device=self.ps.device
+            [loss_mask_NT.sum().item(), (loss_mask_NT.sum(-1) > 0).sum().item()],
+            dtype=torch.float64,
+            device=self.ps.device,
         )
         dist.all_reduce(t, group=self.dp_group)
-        global_tokens, global_responses = t.tolist()
+        global_tokens, global_responses = (max(x, 1.0) for x in t.tolist())
         return loss_weights(
-            batch.mask_NT, self.rl.loss_agg, global_tokens, global_responses, self.rl.max_new_tokens
+            loss_mask_NT, self.rl.loss_agg, global_tokens, global_responses, self.rl.max_new_tokens
         )
 
     def backward(self, batch: Batch, plan: list[MicroBatch], first: bool, stats: StepStats) -> None:
@@ -387,6 +540,7 @@ class GRPOTrainer:
                 self.model.set_requires_all_reduce(k == len(plan) - 1)
             mbb = batch.rows(mb)
             assert mbb.old_logp_NT is not None and mbb.weights_NT is not None
+            assert mbb.loss_mask_NT is not None
             logp, entropy = sequence_logprobs(
                 self.model, mbb, rl.temperature, rl.logprob_chunk_tokens
             )
@@ -394,17 +548,26 @@ class GRPOTrainer:
                 mbb.old_logp_NT = logp.detach()
                 if not mb.empty:
                     batch.old_logp_NT[mb.rows, : mb.width - 1] = mbb.old_logp_NT
+            # rho from the learner's log-probs under the weights that sampled (the old ones)
+            is_weights, _, is_terms = rollout_is_weights(
+                mbb.old_logp_NT, mbb.sampling_logp_NT, mbb.mask_NT,
+                "tis" if rl.rollout_correction == "tis" else "none", rl.rollout_is_cap, rl.rollout_is_level,
+            )  # fmt: skip
+            if mbb.is_keep_NT is not None:  # mis: what the pre-pass rejected
+                is_terms["rollout_is_masked"] = mbb.mask_NT - mbb.is_keep_NT
             token_loss, terms = grpo_token_loss(
                 logp, mbb.old_logp_NT, mbb.advantages_N, rl.clip_low, rl.clip_high,
                 ref_logp=mbb.ref_logp_NT, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
                 entropy=entropy if rl.entropy_coef > 0 else entropy.detach(), entropy_coef=rl.entropy_coef,
+                clip_ratio_c=rl.clip_ratio_c, ratio_level=rl.ratio_level, mask_NT=mbb.loss_mask_NT,
+                is_weights=is_weights if rl.rollout_correction == "tis" else None, kl_clamp=rl.kl_clamp,
             )  # fmt: skip
             loss = (token_loss * mbb.weights_NT).sum()
             # FSDP averages gradients over the dp ranks; the weights already divide by global
             # counts, so scaling by dp makes the result the gradient of the global loss.
             (loss * self.ps.dp_size).backward()
             diff = (logp.detach() - mbb.sampling_logp_NT).abs() if first else None
-            stats.micro_batch(loss, terms, mbb.mask_NT, first, diff)
+            stats.micro_batch(loss, terms, mbb.mask_NT, first, diff, is_terms if first else None)
 
     def optimizer_step(self) -> float:
         """Clip on the global norm of the sharded gradients and step; skip a non-finite update."""

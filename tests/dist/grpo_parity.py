@@ -13,6 +13,12 @@ given, aggregation and micro-batching it records the largest difference, in unit
 assert_close's tolerance, between the full gradient (and the reference log-probs) and one
 single-process computation of the same loss over the whole batch (no FSDP, no split), and
 the micro-batch count each rank would have needed alone.
+
+Besides the three aggregations, two variants whose masks and weights depend on the data:
+masked importance sampling with truncated responses taken out of the loss (the loss counts,
+all-reduced, shrink by what each rank rejects), and GSPO's sequence ratio with sequence-level
+truncated importance weights. Their sampling log-probs are the model's own plus noise, so rho
+spreads around 1 and some tokens and responses fall outside [1/2, 2].
 """
 
 import json
@@ -33,6 +39,16 @@ from trainer.train import GRPOTrainer, collate
 
 RTOL, ATOL = 2e-5, 2e-6
 MAX_NEW = 16
+VARIANTS = {  # name -> rl overrides
+    "token_mean": {"loss_agg": "token_mean"},
+    "seq_mean_token_mean": {"loss_agg": "seq_mean_token_mean"},
+    "seq_mean_token_sum_norm": {"loss_agg": "seq_mean_token_sum_norm"},
+    "mis_token+mask_truncated": {"loss_agg": "token_mean", "rollout_correction": "mis",
+                                 "rollout_is_level": "token", "mask_truncated": True},
+    "gspo+tis_sequence": {"loss_agg": "seq_mean_token_mean", "ratio_level": "sequence",
+                          "clip_low": 3e-4, "clip_high": 4e-4, "rollout_correction": "tis",
+                          "rollout_is_level": "sequence"},
+}  # fmt: skip
 
 
 def rows_per_rank(world: int, g: torch.Generator) -> list[list[tuple[int, int]]]:
@@ -55,7 +71,8 @@ def global_batch(vocab: int, world: int):
     prompts = [torch.randint(0, vocab, (p,), generator=g).tolist() for p, _ in flat]
     responses = [torch.randint(0, vocab, (r,), generator=g).tolist() for _, r in flat]
     logps = [-torch.rand(len(r), generator=g) * 3 for r in responses]
-    rollout = Rollout(prompts, responses, logps, [False] * len(flat))
+    truncated = [len(r) == MAX_NEW for r in responses]  # cut at the budget, as a sampler would
+    rollout = Rollout(prompts, responses, logps, truncated)
     rewards = torch.rand(len(flat), generator=g)
     advantages = torch.randn(len(flat), generator=g)
     batch = collate(rollout, rewards, advantages, pad_id=0, device=torch.device("cpu"))
@@ -71,18 +88,35 @@ def rows_of(batch, rows: slice):
     return type(batch)(**sliced)
 
 
-def reference_grads(cfg: schema.Config, batch, init):
-    """The same loss, one process, whole batch, first update (old = current, detached)."""
-    rl = cfg.rl
+def plain_logprobs(cfg: schema.Config, batch, init):
     model = AutoModelForCausalLM.from_config(hf_config(cfg.model), dtype=torch.float32)
     model.load_state_dict(init)
     # the plain way: the whole padded batch with its attention mask, logits sliced to targets
     logits = model(input_ids=batch.input_ids_NL, attention_mask=batch.attention_mask_NL).logits
-    logp, entropy = token_logprobs(logits[:, :-1], batch.input_ids_NL[:, 1:], rl.temperature)
+    logp, entropy = token_logprobs(logits[:, :-1], batch.input_ids_NL[:, 1:], cfg.rl.temperature)
+    return model, logp, entropy
+
+
+def reference_grads(cfg: schema.Config, batch, init):
+    """The same loss, one process, whole batch, first update (old = current, detached), with
+    the rollout correction written out here: rho per token or per response, mis's mask, tis's
+    truncated weight, and the truncated rows masked."""
+    rl = cfg.rl
+    model, logp, entropy = plain_logprobs(cfg, batch, init)
+    mask = batch.mask_NT * (1 - batch.truncated_N[:, None]) if rl.mask_truncated else batch.mask_NT
+    log_rho = (logp.detach() - batch.sampling_logp_NT) * batch.mask_NT
+    if rl.rollout_is_level == "sequence":
+        log_rho = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
+    rho = log_rho.exp()
+    if rl.rollout_correction == "mis":
+        mask = mask * ((rho >= 1 / rl.rollout_is_cap) & (rho <= rl.rollout_is_cap)).float()
+    is_w = rho.clamp(max=rl.rollout_is_cap) if rl.rollout_correction == "tis" else None
     token_loss, _ = grpo_token_loss(logp, logp.detach(), batch.advantages_N, rl.clip_low, rl.clip_high,
                                     ref_logp=batch.ref_logp_NT, kl_coef=rl.kl_coef, kl_estimator=rl.kl_estimator,
-                                    entropy=entropy, entropy_coef=rl.entropy_coef)  # fmt: skip
-    w = loss_weights(batch.mask_NT, rl.loss_agg, batch.mask_NT.sum().item(), batch.size, rl.max_new_tokens)
+                                    entropy=entropy, entropy_coef=rl.entropy_coef, ratio_level=rl.ratio_level,
+                                    mask_NT=mask, is_weights=is_w, clip_ratio_c=rl.clip_ratio_c, kl_clamp=rl.kl_clamp)  # fmt: skip
+    responses = (mask.sum(-1) > 0).sum().item()
+    w = loss_weights(mask, rl.loss_agg, mask.sum().item(), responses, rl.max_new_tokens)
     (token_loss * w).sum().backward()
     return {n: p.grad for n, p in model.named_parameters()}, (logp.detach() * batch.mask_NT)
 
@@ -91,13 +125,13 @@ def ratio(a, b) -> float:
     return ((a - b).abs() / (ATOL + RTOL * b.abs())).max().item() if a.numel() else 0.0
 
 
-def config(run_dir: str, agg: str, world: int, micro_tokens: int = 0) -> schema.Config:
+def config(run_dir: str, variant: str, world: int, micro_tokens: int = 0) -> schema.Config:
     return schema.load({
         "parallel": {}, "data": {}, "logger": {"backend": "none"}, "run_dir": run_dir, "device": "cpu",
         "model": {"param_dtype": "fp32"},
-        "rl": {"loss_agg": agg, "kl_coef": 0.05, "entropy_coef": 0.01, "micro_batch_responses": 2,
+        "rl": {"kl_coef": 0.05, "entropy_coef": 0.01, "micro_batch_responses": 2,
                "micro_batch_tokens": micro_tokens, "max_new_tokens": MAX_NEW, "prompts_per_step": world,
-               "samples_per_prompt": 2},
+               "samples_per_prompt": 2, **VARIANTS[variant]},
     })  # fmt: skip
 
 
@@ -105,27 +139,33 @@ def main(run_dir: str, out_path: str, *replicates: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results, needs = {}, {}
-    for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
-        cfg = config(run_dir, agg, world)
+    for variant in VARIANTS:
+        cfg = config(run_dir, variant, world)
         init = full_state_dict(cfg.model, hf_config(cfg.model), seed=0)
         batch, offsets = global_batch(hf_config(cfg.model).vocab_size, world)
+        if cfg.rl.rollout_correction != "none":  # a sampler that is close to the learner, not equal
+            noise = torch.empty_like(batch.sampling_logp_NT).uniform_(-1.2, 1.2, generator=torch.Generator().manual_seed(3))
+            with torch.no_grad():
+                batch.sampling_logp_NT = (plain_logprobs(cfg, batch, init)[1] + noise) * batch.mask_NT
         ref, ref_logp = reference_grads(cfg, batch, init)
         rows = slice(offsets[rank], offsets[rank + 1])
         local = rows_of(batch, rows)
         for r in map(int, replicates):
             for micro_tokens in (0, 24):
-                run_cfg = config(run_dir, agg, world, micro_tokens)
+                run_cfg = config(run_dir, variant, world, micro_tokens)
                 ps = ParallelState.build(torch.device("cpu"), r)
                 model = build_model(run_cfg.model, ps.get_mesh("fsdp"), ps.device, seed=0)
                 trainer = GRPOTrainer(run_cfg, ps, model)
                 stats = StepStats(ps.device)
                 plan = trainer.micro_batches(local, stats)
                 local.ref_logp_NT = rows_of(batch, rows).ref_logp_NT
-                own_ref = trainer.reference_logprobs(local, plan)  # the frozen copy: seed-0 init
+                own_ref = trainer.logprobs(trainer.reference, local, plan, "reference")  # seed-0 init
+                if run_cfg.rl.rollout_correction == "mis":
+                    local.is_keep_NT = trainer.mis_keep(local, plan)
                 trainer.prepare_update(local)
                 trainer.backward(local, plan, first=True, stats=stats)
                 grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-                key = f"{agg}/r{r}s{world // r}/" + (f"tokens{micro_tokens}" if micro_tokens else "responses2")
+                key = f"{variant}/r{r}s{world // r}/" + (f"tokens{micro_tokens}" if micro_tokens else "responses2")
                 err_ref = torch.tensor(ratio(own_ref * local.mask_NT, ref_logp[rows]))
                 dist.all_reduce(err_ref, op=dist.ReduceOp.MAX)
                 results[key] = {"grad": max(ratio(grads[n], ref[n]) for n in grads),

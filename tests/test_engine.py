@@ -11,11 +11,41 @@ from trainer.rollout import SamplingParams
 from trainer.train import collate, sequence_logprobs
 
 
+def reference_logprobs(model, rollout, temperature: float, top_p: float, top_k: int = 0):
+    """Log p(response token) under softmax(logits / T) cut to the top-k tokens, then to the
+    smallest nucleus of those whose mass reaches top_p, renormalised: one unpadded forward per row, written
+    independently of the engine's sampler."""
+    out = []
+    for prompt, response in zip(rollout.prompt_ids, rollout.response_ids, strict=True):
+        ids = torch.tensor([prompt + response])
+        with torch.no_grad():
+            z = model(ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+        for t in range(len(response)):
+            p = z[t].softmax(-1)
+            keep = torch.ones_like(p, dtype=torch.bool)
+            if top_k:
+                keep &= p >= p.topk(top_k).values[-1]
+            if top_p < 1.0:  # the nucleus of the top-k distribution, as HF and vLLM cut it
+                sorted_p, order = torch.where(keep, p, 0.0).sort(descending=True)
+                sorted_p = sorted_p / sorted_p.sum()
+                n = int((sorted_p.cumsum(0) < top_p).sum()) + 1  # smallest set reaching top_p
+                nucleus = torch.zeros_like(keep)
+                nucleus[order[:n]] = True
+                keep &= nucleus
+            q = torch.where(keep, p, 0.0)
+            assert keep[response[t]], "the sampler drew a token outside the cut"
+            out.append(torch.log(q[response[t]] / q.sum()))
+    return torch.stack(out)
+
+
 @pytest.mark.parametrize(
-    "top_p, spans, attention",
-    [(1.0, 1, "sdpa"), (0.9, 1, "sdpa"), (1.0, 3, "sdpa"), (1.0, 1, "triton")],
-)
-def test_sampling_logprobs_match_the_training_forward(top_p, spans, attention):
+    "top_p, top_k, spans, attention",
+    [(1.0, 0, 1, "sdpa"), (0.9, 0, 1, "sdpa"), (0.8, 20, 1, "sdpa"), (1.0, 0, 3, "sdpa"),
+     (1.0, 0, 1, "triton")],
+)  # fmt: skip
+def test_sampling_logprobs_match_the_training_forward(top_p, top_k, spans, attention):
+    """The engine records log p of each token under the distribution it really sampled from:
+    the full softmax, or the top-k / top-p cut renormalised."""
     if attention == "triton":  # the GPU kernel, run by Triton's interpreter on CPU tensors
         pytest.importorskip("triton")
     config = hf_config(compose_config().model)
@@ -32,25 +62,29 @@ def test_sampling_logprobs_match_the_training_forward(top_p, spans, attention):
         [14],
     ]  # different lengths: left padding is exercised
     params = SamplingParams(
-        temperature=0.7, top_p=top_p, max_new_tokens=6, eos_token_id=258, pad_token_id=256
-    )
+        temperature=0.7, top_p=top_p, top_k=top_k, max_new_tokens=6, eos_token_id=258,
+        pad_token_id=256,
+    )  # fmt: skip
     torch.manual_seed(1)
-    rollout = engine.generate([p for p in prompts for _ in range(2)], params)
-    assert len(rollout.response_ids) == 6 and all(1 <= len(r) <= 6 for r in rollout.response_ids)
-    batch = collate(rollout, torch.zeros(6), torch.zeros(6), pad_id=256, device=torch.device("cpu"))
-    with torch.no_grad():
-        logp, _ = sequence_logprobs(model, batch, params.temperature)
-    mask = batch.mask_NT.bool()
-    assert (logp[mask] - batch.sampling_logp_NT[mask]).abs().max() < 1e-4
-    # a second call reuses the buffers and still agrees
-    rollout2 = engine.generate([p for p in prompts[:2] for _ in range(2)], params)
-    batch2 = collate(
-        rollout2, torch.zeros(4), torch.zeros(4), pad_id=256, device=torch.device("cpu")
-    )
-    with torch.no_grad():
-        logp2, _ = sequence_logprobs(model, batch2, params.temperature)
-    m2 = batch2.mask_NT.bool()
-    assert (logp2[m2] - batch2.sampling_logp_NT[m2]).abs().max() < 1e-4
+    for rows in (
+        [p for p in prompts for _ in range(2)],
+        [p for p in prompts[:2] for _ in range(2)],
+    ):
+        # the second call reuses the buffers and still agrees
+        rollout = engine.generate(rows, params)
+        assert all(1 <= len(r) <= 6 for r in rollout.response_ids)
+        expected = reference_logprobs(model, rollout, params.temperature, top_p, top_k)
+        torch.testing.assert_close(
+            torch.cat(rollout.sampling_logprobs), expected, atol=1e-4, rtol=0
+        )
+    if top_p == 1.0 and top_k == 0:  # the training forward reads the same numbers
+        batch = collate(
+            rollout, torch.zeros(4), torch.zeros(4), pad_id=256, device=torch.device("cpu")
+        )
+        with torch.no_grad():
+            logp, _ = sequence_logprobs(model, batch, params.temperature)
+        mask = batch.mask_NT.bool()
+        assert (logp[mask] - batch.sampling_logp_NT[mask]).abs().max() < 1e-4
 
 
 def test_top_p_keeps_sampling_inside_the_nucleus():
@@ -61,7 +95,28 @@ def test_top_p_keeps_sampling_inside_the_nucleus():
     tokens, logp = sample(logits, params)
     assert set(tokens[0::2].tolist()) == {0}  # 0.6 alone covers 0.5
     assert set(tokens[1::2].tolist()) == {1, 2}  # 0.45 does not: the next token joins
-    torch.testing.assert_close(logp[0], torch.log(torch.tensor(0.6)))
+    # log-probs under the renormalised nucleus, the distribution each token was drawn from
+    torch.testing.assert_close(logp[0::2], torch.zeros(500))  # {0}: 0.6 / 0.6
+    expected = torch.log(torch.tensor([0.0, 0.45 / 0.8, 0.35 / 0.8]))[tokens[1::2]]
+    torch.testing.assert_close(logp[1::2], expected)
+
+
+def test_top_k_and_greedy_rows():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.3, 0.6]])).repeat(500, 1)
+    params = SamplingParams(
+        temperature=1.0, top_p=1.0, top_k=2, max_new_tokens=1, eos_token_id=0, pad_token_id=0
+    )
+    tokens, logp = sample(logits, params)
+    assert set(tokens[0::2].tolist()) == {0, 1} and set(tokens[1::2].tolist()) == {1, 2}
+    expected = torch.log(
+        torch.tensor([[0.5, 0.3, 0.0], [0.0, 0.3, 0.6]]) / torch.tensor([[0.8], [0.9]])
+    )
+    torch.testing.assert_close(logp, expected.repeat(500, 1).gather(1, tokens[:, None]).squeeze(1))
+    greedy = torch.zeros(1000, dtype=torch.bool)
+    greedy[:4] = True
+    tokens, _ = sample(logits, SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=1,
+                                              eos_token_id=0, pad_token_id=0), greedy)  # fmt: skip
+    assert tokens[:4].tolist() == [0, 2, 0, 2]
 
 
 def test_auto_decode_attention_picks_triton_only_where_it_runs():

@@ -5,7 +5,19 @@ import math
 import pytest
 import torch
 
-from trainer.grpo import group_advantages, grpo_token_loss, kl_penalty, loss_weights, token_logprobs
+from trainer.grpo import (
+    fair_shares,
+    group_advantages,
+    grpo_token_loss,
+    kl_penalty,
+    loss_weights,
+    overlong_penalty,
+    pass_at_k,
+    rollout_is_weights,
+    sequence_log_ratio,
+    token_logprobs,
+    zero_std_groups,
+)
 
 
 def test_group_advantages_std_and_dr_grpo():
@@ -135,3 +147,118 @@ def test_the_trainers_registries_are_the_schemas_choices():
 
     assert tuple(AGGREGATIONS) == choices_of(RLConfig, "loss_agg")
     assert tuple(KL_ESTIMATORS) == choices_of(RLConfig, "kl_estimator")
+
+
+def test_gspo_sequence_ratio_value_and_gradient_match_the_paper():
+    """GSPO (Zheng et al. 2025): s = exp(mean_t(logp - old)), loss -A * clip(s); its gradient per
+    token is -A * s / |y| (unclipped), which token-mean weights 1/|y| give here."""
+    old = torch.tensor([[-1.2, -1.4]])
+    mask = torch.ones(1, 2)
+    s = math.exp(0.3)  # mean of the log-ratios 0.2 and 0.4
+    for adv, clipped in ((+1.0, True), (-1.0, False)):
+        logp = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+        loss, stats = grpo_token_loss(logp, old, torch.tensor([adv]), 3e-4, 4e-4,
+                                      ratio_level="sequence", mask_NT=mask)  # fmt: skip
+        (loss * mask / 2).sum().backward()
+        if clipped:  # A > 0 and s > 1 + 4e-4: the clipped bound -A * 1.0004 wins, no gradient
+            assert loss[0, 0].item() == pytest.approx(-1.0004)
+            assert stats["clipfrac"].tolist() == [[1.0, 1.0]]
+            torch.testing.assert_close(logp.grad, torch.zeros(1, 2))
+        else:  # A < 0: the pessimistic max keeps the unclipped A * s
+            assert loss[0, 0].item() == pytest.approx(s, rel=1e-6)
+            torch.testing.assert_close(logp.grad, torch.full((1, 2), s / 2))
+            # the same as differentiating the sequence objective -A * exp(mean(logp - old))
+            x = torch.tensor([-1.0, -1.0], requires_grad=True)
+            (-adv * torch.exp((x - old[0]).mean())).backward()
+            torch.testing.assert_close(logp.grad[0], x.grad)
+
+
+def test_gspo_ratio_ignores_padding():
+    logp = torch.tensor([[-1.0, -1.0, 5.0]])
+    old = torch.tensor([[-1.2, -1.4, -9.0]])  # garbage in the padded third column
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    log_ratio = sequence_log_ratio(logp, old, mask)
+    torch.testing.assert_close(log_ratio, torch.full((1, 3), 0.3))
+
+
+@pytest.mark.parametrize(
+    "ratio, adv, expected, dual",
+    [
+        (4.0, -1.0, 3.0, 1.0),  # A < 0 and ratio 4: the PPO loss 4 is bounded at -A * c = 3
+        (2.0, -1.0, 2.0, 0.0),  # below the bound: untouched
+        (4.0, +1.0, -1.2, 0.0),  # A > 0: dual clip never applies
+    ],
+)
+def test_dual_clip_by_hand(ratio, adv, expected, dual):
+    logp = torch.tensor([[math.log(ratio)]])
+    loss, stats = grpo_token_loss(logp, torch.zeros(1, 1), torch.tensor([adv]), 0.2, 0.2,
+                                  clip_ratio_c=3.0)  # fmt: skip
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert stats["dual_clipfrac"].item() == dual
+
+
+def test_k3_clamp_bounds_value_and_gradient():
+    logp = torch.tensor([-31.0, -1.0], requires_grad=True)
+    ref = torch.tensor([-1.0, -2.0])  # x = -30 (policy far below the reference) and x = 1
+    kl = kl_penalty(logp, ref, "k3", clamp=True)
+    torch.testing.assert_close(kl, torch.tensor([10.0, math.exp(-1.0)]))  # e^30 - 31 clamped to 10
+    kl.sum().backward()
+    assert logp.grad[0].item() == 0.0 and logp.grad[1].item() == pytest.approx(1 - math.exp(-1.0))
+    assert kl_penalty(logp, ref, "k3")[0].item() == pytest.approx(math.exp(30.0) - 31.0, rel=1e-5)
+
+
+def test_rollout_importance_weights_by_hand():
+    learner = torch.tensor([[-1.0, -2.0, 0.0]])
+    sampler = torch.tensor([[-1.5, -1.0, 7.0]])  # rho = e^0.5, e^-1; the third column is padding
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    r1, r2 = math.exp(0.5), math.exp(-1.0)
+    w, keep, st = rollout_is_weights(learner, sampler, mask, "tis", 2.0, "token")
+    torch.testing.assert_close(w, torch.tensor([[r1, r2, 1.0]]))
+    torch.testing.assert_close(keep, torch.ones(1, 3))
+    w, _, st = rollout_is_weights(learner, sampler, mask, "tis", 1.5, "token")
+    torch.testing.assert_close(w, torch.tensor([[1.5, r2, 1.0]]))  # truncated at the cap
+    assert st["rollout_is_masked"].tolist() == [[1.0, 0.0, 0.0]]
+    w, keep, st = rollout_is_weights(learner, sampler, mask, "mis", 2.0, "token")
+    torch.testing.assert_close(w, torch.ones(1, 3))
+    assert keep[0, :2].tolist() == [1.0, 0.0]  # e^-1 < 1/2: rejected
+    # sequence level: rho = e^(0.5 - 1) = 0.6065 for the whole response
+    w, keep, st = rollout_is_weights(learner, sampler, mask, "tis", 2.0, "sequence")
+    torch.testing.assert_close(w[0, :2], torch.full((2,), math.exp(-0.5)))
+    _, keep, _ = rollout_is_weights(learner, sampler, mask, "mis", 2.0, "sequence")
+    assert keep[0, :2].tolist() == [1.0, 1.0]  # 0.6065 inside [0.5, 2]
+    _, keep, st = rollout_is_weights(learner, sampler, mask, "mis", 1.5, "sequence")
+    assert keep[0, :2].tolist() == [0.0, 0.0]  # outside [0.667, 1.5]: the whole response goes
+    w, keep, _ = rollout_is_weights(learner, sampler, mask, "none", 2.0, "token")
+    assert torch.equal(w, torch.ones(1, 3)) and torch.equal(keep, torch.ones(1, 3))
+
+
+def test_is_weights_scale_only_the_policy_gradient():
+    logp, ref = torch.tensor([[-1.0]]), torch.tensor([[-2.0]])
+    loss, _ = grpo_token_loss(logp, logp, torch.tensor([2.0]), 0.2, 0.2, ref_logp=ref,
+                              kl_coef=0.1, kl_estimator="k1", is_weights=torch.tensor([[0.5]]))  # fmt: skip
+    assert loss.item() == pytest.approx(0.5 * -2.0 + 0.1 * 1.0)
+
+
+def test_overlong_penalty_by_hand():
+    lengths = torch.tensor([5.0, 6.0, 7.0, 8.0, 10.0])
+    out = overlong_penalty(lengths, max_new_tokens=10, buffer=4, penalty=1.0)
+    torch.testing.assert_close(out, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0]))
+    assert overlong_penalty(lengths, 10, 0, 1.0).abs().sum() == 0  # buffer 0: off
+
+
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [(4, 1, 2, 1 - 3 / 6), (5, 2, 3, 1 - 1 / 10), (4, 0, 2, 0.0), (4, 3, 2, 1.0), (8, 3, 1, 3 / 8)],
+)
+def test_unbiased_pass_at_k(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+    assert pass_at_k(n, c, k) == pytest.approx(1 - math.comb(n - c, k) / math.comb(n, k))
+
+
+def test_zero_std_groups_and_fair_shares():
+    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.5, 0.5, 0.5]])
+    assert zero_std_groups(rewards, 1e-6).tolist() == [True, False, True]
+    assert fair_shares([5, 0, 2, 1], 6) == [3, 0, 2, 1]  # one at a time, rank order
+    assert fair_shares([5, 0, 2, 1], 10) == [5, 0, 2, 1]  # too few: train on all
+    assert fair_shares([3, 3], 3) == [2, 1]
+    assert fair_shares([0, 0], 4) == [0, 0]

@@ -139,7 +139,7 @@ def test_cli_bad_value_keeps_an_existing_run_folder(tmp_path):
             "model=qwen3_5b",
             "error: model=qwen3_5b is not a preset; did you mean qwen3_4b? choose one of qwen3_0_6b, qwen3_4b, qwen3_tiny",
         ),
-        ("rl=ppo", "error: rl=ppo is not a preset; choose one of dapo, dr_grpo, grpo"),
+        ("rl=ppo", "error: rl=ppo is not a preset; choose one of dapo, dr_grpo, grpo, gspo"),
     ],
 )
 def test_cli_unknown_keys_wrong_types_and_presets_are_one_line(override, message, tmp_path):

@@ -98,3 +98,34 @@ def test_replica_drift_is_caught_on_every_rank_naming_the_parameter(tmp_path):
         assert code == 3
         assert message.startswith("replicas drifted apart at step 3: parameter "
                                   "model.layers.1.mlp.up_proj.weight differs")  # fmt: skip
+
+
+def test_dynamic_sampling_and_evaluation_when_ranks_differ(tmp_path):
+    """Scripted rewards: rank 0 never has a group with spread, rank 1 always, rank 2 only in its
+    second round. Rounds, the fair cut and the update are decided alike on every rank; the
+    evaluation's 3 prompts over 4 ranks leave rank 3 none, and the reduced numbers are the
+    hand-computed ones."""
+    out = tmp_path / "variants.json"
+    torchrun("variants.py", 4, str(tmp_path / "run"), str(out))
+    ranks = json.loads(out.read_text())
+    for r in ranks:  # every rank logs the same numbers
+        assert r["two_rounds"]["metrics"] == ranks[0]["two_rounds"]["metrics"]
+        assert r["eval"] == ranks[0]["eval"]
+    two = ranks[0]["two_rounds"]["metrics"]
+    # round 1 kept 2 groups (ranks 1, 3), round 2 three more: 5 >= 4, stop; cut to 4
+    assert two["rollout/sample_rounds"] == 2 and two["rollout/kept_groups"] == 4
+    assert two["rollout/zero_std_frac"] == pytest.approx(3 / 8)  # before filtering
+    assert all(
+        r["two_rounds"]["changed"] for r in ranks
+    )  # rank 0 trains on no group, yet its shard moves
+    cap = ranks[0]["cap_hit"]["metrics"]
+    assert cap["rollout/sample_rounds"] == 3 and cap["rollout/kept_groups"] == 1
+    assert cap["rollout/zero_std_frac"] == pytest.approx(11 / 12)
+    assert all(r["cap_hit"]["changed"] for r in ranks)  # one group with signal still trains
+    none = ranks[0]["none"]["metrics"]
+    assert none["rollout/sample_rounds"] == 3 and none["rollout/kept_groups"] == 0
+    assert not any(r["none"]["changed"] for r in ranks)  # no group: the update is skipped
+    expected = ranks[0]["eval_expected"]
+    for name, value in expected.items():
+        assert ranks[0]["eval"][name] == pytest.approx(value), name
+    assert [len(r["eval_calls"]) for r in ranks] == [1, 1, 1, 0]  # 4 rows padded to 5; none

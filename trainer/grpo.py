@@ -34,7 +34,7 @@ def group_advantages(rewards_PG: torch.Tensor, std_normalize: bool, eps: float) 
     """(r - mean) / (std + eps) within each group of G samples of one prompt; std is unbiased
     (torch.std). Without std_normalize (Dr. GRPO): r - mean."""
     centered = rewards_PG - rewards_PG.mean(dim=1, keepdim=True)
-    if not std_normalize:
+    if not std_normalize or rewards_PG.numel() == 0:  # a rank with no group this step: 0 x G
         return centered
     return centered / (rewards_PG.std(dim=1, keepdim=True) + eps)
 
@@ -252,6 +252,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def zero_std_groups(rewards_PG: torch.Tensor, eps: float) -> torch.Tensor:
     """Groups whose rewards are all equal (unbiased std <= eps): their advantages are all 0, so
     they carry no policy gradient. P booleans."""
+    if rewards_PG.numel() == 0:
+        return torch.zeros(rewards_PG.shape[0], dtype=torch.bool)
     return rewards_PG.std(dim=1) <= eps
 
 

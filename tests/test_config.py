@@ -135,3 +135,17 @@ def test_the_launcher_never_imports_torch(argv):
         [sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True, text=True
     )
     assert "torch imported: False" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_dapo_and_gspo_presets_are_the_papers():
+    dapo = compose_config("rl=dapo", "rl.max_new_tokens=100").rl
+    assert (dapo.clip_low, dapo.clip_high, dapo.kl_coef, dapo.loss_agg) == (
+        0.2,
+        0.28,
+        0.0,
+        "token_mean",
+    )
+    assert dapo.dynamic_sampling and dapo.overlong_buffer == 20  # a fifth of the new tokens, as set
+    gspo = compose_config("rl=gspo").rl
+    assert (gspo.ratio_level, gspo.clip_low, gspo.clip_high) == ("sequence", 3e-4, 4e-4)
+    assert gspo.loss_agg == "seq_mean_token_mean"

@@ -214,7 +214,9 @@ def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, sa
         + train_flops(config, n * length, n * length**2) / ceilings["bf16_flops"]
     )
     out = {
-        k: v for k, v in last.items() if k.startswith(("time/", "perf/", "rollout/response_len"))
+        k: v
+        for k, v in last.items()
+        if k.startswith(("time/", "perf/", "rollout/", "train/rollout_"))
     }
     return {"overrides": " ".join(overrides), **out, "floor_s": floor,
             "step_over_floor": last["time/step_s"] / floor}  # fmt: skip

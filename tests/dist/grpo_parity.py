@@ -135,11 +135,14 @@ def config(run_dir: str, variant: str, world: int, micro_tokens: int = 0) -> sch
     })  # fmt: skip
 
 
-def main(run_dir: str, out_path: str, *replicates: str) -> None:
+def main(run_dir: str, out_path: str, *args: str) -> None:
+    """args: replicate sizes, and optionally `variants=a,b` (default: all of VARIANTS)."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    chosen = [a.split("=", 1)[1].split(",") for a in args if a.startswith("variants=")]
+    replicates = [a for a in args if not a.startswith("variants=")]
     results, needs = {}, {}
-    for variant in VARIANTS:
+    for variant in chosen[0] if chosen else VARIANTS:
         cfg = config(run_dir, variant, world)
         init = full_state_dict(cfg.model, hf_config(cfg.model), seed=0)
         batch, offsets = global_batch(hf_config(cfg.model).vocab_size, world)

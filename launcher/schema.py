@@ -155,6 +155,9 @@ class DataConfig:
     # Reward functions by registered name and their weights; the reward is the weighted sum.
     # Empty: the task's own (TASK_REWARDS: synthetic digit_echo; gsm8k math_answer + 0.1 format).
     rewards: dict[str, float] = field(default_factory=dict)
+    # gsm8k: the longest prompt in tokens that the memory plan (dry_run, parallel=auto,
+    # rl.micro_batch_tokens=auto) assumes; the trainer warns when a prompt is longer.
+    plan_prompt_tokens: int = 256
     # synthetic: number of prompts generated, and digits per prompt.
     num_examples: int = 4096
     num_digits: int = 4

@@ -219,7 +219,22 @@ def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, sa
         if k.startswith(("time/", "perf/", "rollout/", "train/rollout_"))
     }
     return {"overrides": " ".join(overrides), **out, "floor_s": floor,
-            "step_over_floor": last["time/step_s"] / floor}  # fmt: skip
+            "step_over_floor": last["time/step_s"] / floor,
+            **predicted_memory(name, device, prompts, samples, prompt, new, overrides)}  # fmt: skip
+
+
+def predicted_memory(name: str, device, prompts: int, samples: int, prompt: int, new: int,
+                     overrides: list[str]) -> dict[str, float]:  # fmt: skip
+    """launcher/memory.py's prediction for the run grpo_step_bench made, per phase (GB)."""
+    from launcher.memory import predict, shape_of
+
+    cfg = preset(name, ("parallel=single", f"data.num_digits={prompt - 1}",
+                        f"rl.prompts_per_step={prompts}", f"rl.samples_per_prompt={samples}",
+                        f"rl.max_new_tokens={new}", *overrides))  # fmt: skip
+    pred = predict(cfg.model.arch, shape_of(cfg, 1, 1, device.type))
+    out = {f"predicted/{phase}_gb": pred.total(phase) / 1e9 for phase in pred.phases}
+    out["predicted/peak_gb"] = pred.peak / 1e9
+    return out
 
 
 def markdown(r: dict) -> str:

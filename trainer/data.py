@@ -145,6 +145,11 @@ def load_task(cfg: Config, local_rank: int, max_positions: int) -> Task:
             f"model's max_position_embeddings={max_positions}; lower rl.max_new_tokens to at most "
             f"{max_positions - len(ids[longest])} or shorten the prompts"
         )
+    plan = cfg.data.plan_prompt_tokens
+    if cfg.data.name != "synthetic" and len(ids[longest]) > plan and local_rank == 0:
+        print(f"warning: the longest prompt has {len(ids[longest])} tokens, more than "
+              f"data.plan_prompt_tokens={plan} that the memory plan assumed; set "
+              f"data.plan_prompt_tokens={len(ids[longest])} when planning this data", flush=True)  # fmt: skip
     return Task(tokenizer, prompts, ids[: len(prompts)], evals, ids[len(prompts) :])
 
 

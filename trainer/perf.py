@@ -38,6 +38,25 @@ def peak_flops(device: torch.device, peak_tflops: float) -> float | None:
     return next((v * 1e12 for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)
 
 
+class PhasePeaks:
+    """Peak allocated GPU memory per phase of a step (launcher/memory.py predicts the same
+    phases): `mark(phase)` closes the phase that just ran. Nothing on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peaks = device, dict[str, float]()
+        if device.type == "cuda":  # the first phase starts here, not at the last reset
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def mark(self, phase: str) -> None:
+        if self.device.type == "cuda":
+            gb = torch.cuda.max_memory_allocated(self.device) / 1e9
+            self.peaks[phase] = max(self.peaks.get(phase, 0.0), gb)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def step_peak(self) -> float | None:
+        return max(self.peaks.values()) if self.peaks else None
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Peak allocated GPU memory since the last call, or the process's peak RSS on CPU."""
     if device.type == "cuda":

@@ -82,6 +82,9 @@ METRICS = {
     "over `time/train_s`",
     "perf/mfu": "training FLOPs / (`time/train_s` x ranks x peak); see below; GPUs only",
     "perf/peak_mem_gb": "peak allocated GPU memory in the step (CPU: the process's peak RSS)",
+    "perf/peak_mem_rollout_gb": "GPUs: peak allocated memory while sampling (all rounds) and scoring; launcher/memory.py's `rollout` phase",
+    "perf/peak_mem_update_gb": "GPUs: peak allocated memory in the reference pass and the forward/backward passes; the `update` phase",
+    "perf/peak_mem_optimizer_gb": "GPUs: peak allocated memory in the optimizer steps; the `optimizer step` phase",
 }
 # grpo_token_loss's per-token stats; FIRST_TERMS are also logged for the first update alone
 LOSS_TERMS = ("pg_loss", "kl", "ppo_kl", "clipfrac", "dual_clipfrac", "entropy")
@@ -150,6 +153,10 @@ class StepStats:
         for name, value in seconds.items():
             self.sums.max(f"time/{name}_s", value)
         self.sums.max("perf/peak_mem_gb", peak_mem_gb)
+
+    def phase_peaks(self, peaks: dict[str, float]) -> None:
+        for phase, gb in peaks.items():  # every GPU rank has every phase: the same names
+            self.sums.max(f"perf/peak_mem_{phase}_gb", gb)
 
     def finish(self, step: int, group, config, world: int, updates: int,
                peak_flops: float | None) -> dict[str, float]:  # fmt: skip

@@ -40,7 +40,7 @@ from trainer.metrics import DPSums, MetricsLogger
 from trainer.micro_batches import MicroBatch
 from trainer.model import CausalLM, build_model, compute_dtype
 from trainer.parallel import ParallelState, any_rank
-from trainer.perf import peak_flops, peak_memory_gb
+from trainer.perf import PhasePeaks, peak_flops, peak_memory_gb
 from trainer.replicas import check_replicas
 from trainer.rewards import REWARDS, score
 from trainer.rollout import HFRolloutEngine, Rollout, RolloutEngine, SamplingParams
@@ -226,6 +226,7 @@ class GRPOTrainer:
         self.dp_group = ps.get_mesh("dp").get_group()
         self.peak_flops = peak_flops(device, cfg.trainer.peak_tflops)
         self.bad_updates = 0
+        self.peaks = PhasePeaks(device)
         self.sigterm = False
         signal.signal(signal.SIGTERM, self.on_sigterm)
 
@@ -270,7 +271,9 @@ class GRPOTrainer:
             clock.append(time.perf_counter())
 
         self.phase("rollout")
+        self.peaks = PhasePeaks(self.ps.device)
         batch, kept_groups = self.rollout(step, stats)
+        self.peaks.mark("rollout")
         lap()
         plan = self.micro_batches(batch, stats)
         if self.reference is not None:
@@ -291,8 +294,11 @@ class GRPOTrainer:
         self.engine.load_weights(self.model)
         lap()
         t = clock
+        rest = peak_memory_gb(self.ps.device)  # since the last phase mark: replica check, refresh
+        step_peak = max(rest, self.peaks.step_peak() or 0.0)
         stats.times({"rollout": t[1] - t[0], "ref": t[2] - t[1], "train": t[3] - t[2],
-                     "sync": t[4] - t[3], "step": t[4] - t[0]}, peak_memory_gb(self.ps.device))  # fmt: skip
+                     "sync": t[4] - t[3], "step": t[4] - t[0]}, step_peak)  # fmt: skip
+        stats.phase_peaks(self.peaks.peaks)
         self.phase("metrics")
         return stats.finish(step, self.dp_group, self.model.config, self.ps.world_size,
                             self.rl.updates_per_step, self.peak_flops)  # fmt: skip
@@ -494,8 +500,10 @@ class GRPOTrainer:
         for u in range(self.rl.updates_per_step):  # a config value: the same on every rank
             self.update_name = f"update {u + 1}/{self.rl.updates_per_step}"
             self.backward(batch, plan, first=u == 0, stats=stats)
+            self.peaks.mark("update")  # with the reference / MIS passes before it
             self.phase(f"{self.update_name}, optimizer step")
             grad_norms.append(self.optimizer_step())
+            self.peaks.mark("optimizer")
         stats.update(grad_norms, float(self.last_lr))
 
     def prepare_update(self, batch: Batch) -> None:

@@ -1,0 +1,151 @@
+"""The memory a rank allocates in a GRPO step, from the config alone (no torch).
+
+Bytes per rank, N parameters (launcher/counting.py), S the shard group, c the compute dtype's
+bytes (bf16 2, fp32 4), T the tokens of one micro-batch, C `rl.logprob_chunk_tokens`, V the
+vocabulary, h / I the hidden and MLP widths, Hq / Hkv the query / key-value heads of width d,
+L the layers. Three phases; the step's peak is the largest:
+
+    always      fp32 master parameters 4N/S; AdamW's two fp32 moments 8N/S (from the first
+                optimizer step on); the reference model 4N/S (fp32 shards) when rl.kl_coef > 0;
+                the rollout engine's full weight copy cN (GPU: the static engine; its KV cache
+                stays allocated for the whole step)
+    rollout     + KV cache  L x 2 x rows x Hkv x d x c x cache length (prompt + new tokens,
+                rounded up to 64 columns), rows = this rank's responses per sampling call
+                + the larger of prefill (one layer's activations over rows x prompt tokens) and
+                sampling (rows x V: logits in c, three fp32 copies)
+    update      + fp32 gradients 4N/S
+                + the root unit (embeddings, lm_head, final norm) gathered in c and its gradient
+                + two decoder layers gathered in c (prefetch), one layer's gradient in c and
+                  its fp32 reduce-scatter input (all L layers stay gathered when
+                  model.reshard_after_forward=false)
+                + activations: with checkpointing each layer's input (2h per token) kept for L
+                  layers, plus one layer recomputed and its backward (2 x A per token); without,
+                  A per token for every layer, where A = 22h + 20 Hq d + 20 Hkv d + 8I bytes
+                  (bf16, eager: RMSNorm's fp32 copies, q/k norm and RoPE, SwiGLU's four I-wide
+                  tensors)
+                + log-probs: the model's logits T x V in c and their gradient, and the chunked
+                  fp32 log-softmax working set 4 x 4 C V (z, softmax, their product, the grad)
+    optimizer   + fp32 gradients 4N/S + AdamW's foreach temporaries 4N/S
+
+The micro-batch is `rl.micro_batch_tokens` tokens (rows x longest row, so at most that), or
+`rl.micro_batch_responses` rows of prompt + max_new_tokens. This predicts
+`torch.cuda.max_memory_allocated`; a GPU also holds the CUDA context, NCCL's buffers and the
+caching allocator's free blocks, which `fits` adds as `RESERVE_BYTES` + `SLACK` x the
+prediction. docs/benchmarks.md compares predictions with peaks measured on an H200.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from launcher.counting import count_params
+
+CACHE_ALIGN = 64  # the static engine's cache length is a multiple of this (trainer/engine.py)
+RESERVE_BYTES = 2.0e9  # CUDA context, NCCL buffers, cuBLAS workspaces: outside the allocator
+SLACK = 0.05  # the caching allocator's free blocks beside the allocated peak
+
+
+@dataclass
+class Shape:
+    """What the prediction needs besides the architecture."""
+
+    shard: int  # S
+    responses: int  # this rank's responses per step (one sampling call)
+    prompt_tokens: int
+    new_tokens: int
+    micro_batch_tokens: int  # T
+    compute_bytes: int = 2
+    checkpointing: bool = True
+    reshard_after_forward: bool = True
+    reference: bool = False
+    chunk_tokens: int = 1024
+    engine_kv_cache: bool = True  # the static engine (GPU); the CPU engine's cache is transient
+
+
+@dataclass
+class Prediction:
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def total(self, phase: str) -> float:
+        return sum(self.phases[phase].values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.total)
+
+    @property
+    def peak(self) -> float:
+        return self.total(self.peak_phase)
+
+    def needs(self) -> float:
+        """Device memory a run needs: the allocated peak, allocator slack, context and NCCL."""
+        return self.peak * (1 + SLACK) + RESERVE_BYTES
+
+
+def layer_activation_bytes(a, c: int) -> float:
+    """A: bytes one decoder layer keeps for backward per token (see the module docstring)."""
+    h, d, i = a.hidden_size, a.head_dim, a.intermediate_size
+    return (
+        (22 * h + 20 * a.num_attention_heads * d + 20 * a.num_key_value_heads * d + 8 * i) * c / 2
+    )
+
+
+def predict(a, s: Shape) -> Prediction:
+    counts = count_params(a)
+    n, c, v, h = counts.total, s.compute_bytes, a.vocab_size, a.hidden_size
+    layers = a.num_hidden_layers
+    always = {"master parameters (fp32, sharded)": 4 * n / s.shard,
+              "AdamW moments (fp32, sharded)": 8 * n / s.shard,
+              "rollout engine weights": c * n}  # fmt: skip
+    if s.reference:
+        always["reference model (fp32, sharded)"] = 4 * n / s.shard
+    cache_len = -(-(s.prompt_tokens + s.new_tokens) // CACHE_ALIGN) * CACHE_ALIGN
+    kv = layers * 2 * s.responses * a.num_key_value_heads * a.head_dim * c * cache_len
+    act = layer_activation_bytes(a, c)
+    prefill = s.responses * s.prompt_tokens * act / 2  # no grad: about half is live at once
+    sampling = s.responses * v * (c + 3 * 4)
+    kept_kv = {"KV cache (kept through the step)": kv} if s.engine_kv_cache else {}
+    rollout = {**always, "KV cache": kv, "prefill or sampling working set": max(prefill, sampling)}
+    t = s.micro_batch_tokens
+    root = counts.embedding * (1 if a.tie_word_embeddings else 2)
+    gathered_layers = layers if not s.reshard_after_forward else 2
+    if s.checkpointing:
+        activations = layers * 2 * h * t + 2 * act * t
+    else:
+        activations = layers * act * t
+    update = {**always, **kept_kv, "gradients (fp32, sharded)": 4 * n / s.shard,
+              "root unit gathered + its gradient": 2 * c * root,
+              "decoder layers gathered, one layer's gradients": (gathered_layers * c + c + 4) * counts.per_layer,
+              "activations" + (" (checkpointed)" if s.checkpointing else ""): activations,
+              "logits and their gradient": 2 * c * t * v,
+              "log-softmax chunks (fp32)": 16 * min(s.chunk_tokens, t) * v}  # fmt: skip
+    optimizer = {**always, **kept_kv, "gradients (fp32, sharded)": 4 * n / s.shard,
+                 "AdamW temporaries (fp32, sharded)": 4 * n / s.shard}  # fmt: skip
+    return Prediction({"rollout": rollout, "update": update, "optimizer": optimizer})
+
+
+def micro_batch_tokens(cfg, prompt_tokens: int) -> int:
+    """The largest micro-batch one forward/backward sees, in tokens."""
+    r = cfg.rl
+    if isinstance(r.micro_batch_tokens, int) and r.micro_batch_tokens > 0:
+        return r.micro_batch_tokens
+    return r.micro_batch_responses * (prompt_tokens + r.max_new_tokens)
+
+
+def prompt_tokens(cfg) -> int:
+    """synthetic: the digits and '='; gsm8k: `data.plan_prompt_tokens` (the trainer warns when a
+    prompt is longer)."""
+    d = cfg.data
+    return d.num_digits + 1 if d.name == "synthetic" else d.plan_prompt_tokens
+
+
+def shape_of(cfg, shard: int, world: int, device: str, tokens: int | None = None) -> Shape:
+    m, r = cfg.model, cfg.rl
+    compute = {"auto": 2 if device == "cuda" else 4, "bf16": 2, "fp32": 4}[m.param_dtype]
+    p = prompt_tokens(cfg)
+    return Shape(shard=shard, responses=max(1, r.prompts_per_step * r.samples_per_prompt // world),
+                 prompt_tokens=p, new_tokens=r.max_new_tokens,
+                 micro_batch_tokens=tokens if tokens is not None else micro_batch_tokens(cfg, p),
+                 compute_bytes=compute, checkpointing=m.activation_checkpointing,
+                 reshard_after_forward=m.reshard_after_forward, reference=r.kl_coef > 0,
+                 chunk_tokens=r.logprob_chunk_tokens, engine_kv_cache=device == "cuda")  # fmt: skip

@@ -12,7 +12,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from launcher import nodes, resume, sweep
+from launcher import memory, nodes, resume, sweep
+from launcher.plan import arch_from_model_dir as plan_arch
 from launcher.plan import plan
 from launcher.schema import Config
 from launcher.torchrun import start_workers
@@ -47,6 +48,43 @@ def visible_gpus(device: str) -> int:
     return count.value
 
 
+def gpu_memory_bytes() -> float | None:
+    """Total memory of the first visible GPU, from the CUDA driver (no torch); None without one."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, total = ctypes.c_int(0), ctypes.c_size_t(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(device), 0) != 0:
+        return None
+    if cuda.cuDeviceTotalMem_v2(ctypes.byref(total), device) != 0:
+        return None
+    return float(total.value)
+
+
+def resolve_autos(cfg: Config, gpus: int) -> list[str]:
+    """parallel=auto and rl.micro_batch_tokens=auto become numbers here, before validation, from
+    the memory model (launcher/memory.py); returns the lines that say what was chosen."""
+    p = cfg.parallel
+    tokens_auto = cfg.rl.micro_batch_tokens == "auto"
+    if not (p.auto or tokens_auto):
+        return []
+    what = "parallel=auto" if p.auto else "rl.micro_batch_tokens=auto"
+    if p.nproc_per_node < 1 or p.nnodes < 1:
+        return []  # validation names the bad count
+    capacity = p.gpu_memory_gb * 1e9 if p.gpu_memory_gb else None
+    device = "cpu" if cfg.device == "cpu" else "cuda"
+    if capacity is None and gpus > 0 and device == "cuda":
+        capacity = gpu_memory_bytes()
+    if capacity is None:
+        raise ConfigError(f"{what} needs the memory of a GPU and none is visible; set "
+                          "parallel.gpu_memory_gb (e.g. 141 for an H200, 80 for an H100)")  # fmt: skip
+    try:
+        return memory.choose(cfg, plan_arch(cfg), device, capacity)
+    except memory.NoFit as e:
+        raise ConfigError(str(e)) from None
+
+
 def write_config(cfg: Config, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
@@ -79,6 +117,7 @@ def prepare(cfg: DictConfig) -> tuple[Config, int]:
     typed.presets = {g: choices[g] for g in CONFIG_GROUPS if choices.get(g)}
     slurm_rendezvous(typed)
     gpus = visible_gpus(typed.device)
+    typed.auto_choices = resolve_autos(typed, gpus)
     # A plan made where no GPU is visible (a laptop, a login node) skips the GPU-count check.
     validate(typed, gpus, check_gpu_count=not (typed.dry_run and gpus == 0))
     return typed, gpus
@@ -110,6 +149,8 @@ def run(cfg: DictConfig) -> int:
         print(plan(typed))
         remove_if_empty(hydra_dir)
         return 0
+    for line in typed.auto_choices:
+        print(line)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if run_dir != hydra_dir:

@@ -104,7 +104,7 @@ def predict(a, s: Shape) -> Prediction:
     act = layer_activation_bytes(a, c)
     prefill = s.responses * s.prompt_tokens * act / 2  # no grad: about half is live at once
     sampling = s.responses * v * (c + 3 * 4)
-    kept_kv = {"KV cache (kept through the step)": kv} if s.engine_kv_cache else {}
+    kept_kv = {"KV cache": kv} if s.engine_kv_cache else {}  # kept through the step
     rollout = {**always, "KV cache": kv, "prefill or sampling working set": max(prefill, sampling)}
     t = s.micro_batch_tokens
     root = counts.embedding * (1 if a.tie_word_embeddings else 2)
@@ -149,3 +149,102 @@ def shape_of(cfg, shard: int, world: int, device: str, tokens: int | None = None
                  compute_bytes=compute, checkpointing=m.activation_checkpointing,
                  reshard_after_forward=m.reshard_after_forward, reference=r.kl_coef > 0,
                  chunk_tokens=r.logprob_chunk_tokens, engine_kv_cache=device == "cuda")  # fmt: skip
+
+
+# ---- parallel=auto and rl.micro_batch_tokens=auto ------------------------------------------
+
+TOKEN_STEP = 256  # auto token budgets are multiples of this
+MIN_ROWS = 4  # with both autos, a shard group fits when a budget of this many full rows fits
+
+
+class NoFit(Exception):
+    """Nothing fits; the message is the one line the launcher prints."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def largest_tokens(cfg, arch, shard: int, world: int, device: str, capacity: float) -> int:
+    """The largest micro-batch token budget (a multiple of TOKEN_STEP, at most this rank's whole
+    batch) whose step fits in `capacity` bytes; 0 when not even one full row fits."""
+    base = shape_of(cfg, shard, world, device, tokens=0)
+    row = base.prompt_tokens + base.new_tokens
+    whole = -(-base.responses * row // TOKEN_STEP) * TOKEN_STEP
+
+    def fits(tokens: int) -> bool:
+        return predict(arch, shape_of(cfg, shard, world, device, tokens)).needs() <= capacity
+
+    if not fits(row):
+        return 0
+    lo, hi = row, whole  # fits(lo); find the largest fitting multiple of TOKEN_STEP <= hi
+    if fits(hi):
+        return hi
+    lo_k, hi_k = max(1, -(-lo // TOKEN_STEP)), hi // TOKEN_STEP
+    if not fits(lo_k * TOKEN_STEP):
+        return row
+    while lo_k < hi_k:
+        mid = (lo_k + hi_k + 1) // 2
+        lo_k, hi_k = (mid, hi_k) if fits(mid * TOKEN_STEP) else (lo_k, mid - 1)
+    return lo_k * TOKEN_STEP
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def choose(cfg, arch, device: str, capacity: float) -> list[str]:
+    """Resolve parallel=auto (dp_shard_size, dp_replicate_size) and rl.micro_batch_tokens=auto
+    in `cfg` for `capacity` bytes per GPU; returns the lines that say what was chosen and why.
+    Raises NoFit with one line naming what it needs, what there is and the knobs."""
+    p, r = cfg.parallel, cfg.rl
+    world = p.nnodes * p.nproc_per_node
+    tokens_auto = r.micro_batch_tokens == "auto"
+    lines: list[str] = []
+
+    def need(shard: int) -> tuple[float, int | None]:
+        """Bytes the step needs at this shard size, and the auto token budget (if auto)."""
+        if tokens_auto:
+            tokens = largest_tokens(cfg, arch, shard, world, device, capacity)
+            shape = shape_of(cfg, shard, world, device)
+            floor = min(MIN_ROWS, shape.responses) * (shape.prompt_tokens + shape.new_tokens)
+            if tokens >= floor:
+                return predict(arch, shape_of(cfg, shard, world, device, tokens)).needs(), tokens
+            return predict(arch, shape_of(cfg, shard, world, device, floor)).needs(), None
+        return predict(arch, shape_of(cfg, shard, world, device)).needs(), None
+
+    shards = divisors(p.nproc_per_node) if p.auto else [p.dp_shard_size]
+    tried: list[tuple[int, float]] = []
+    for shard in shards:
+        needed, tokens = need(shard)
+        if needed <= capacity and (tokens is not None or not tokens_auto):
+            if p.auto:
+                p.dp_shard_size, p.dp_replicate_size = shard, world // shard
+                lines.append(f"parallel=auto -> hsdp_r{world // shard}s{shard}")
+                lines.append(f"  s{shard}: needs {gb(needed)} of {gb(capacity)} per GPU")
+                if tried:
+                    lines.append(
+                        f"  s{tried[-1][0]} (the next smaller): needs {gb(tried[-1][1])}: does not fit"
+                    )
+                else:
+                    lines.append("  (the smallest shard group: fewer all-gathers, more replicas)")
+            if tokens_auto:
+                assert tokens is not None
+                r.micro_batch_tokens = tokens
+                lines.append(f"rl.micro_batch_tokens=auto -> {tokens} (the largest multiple of "
+                             f"{TOKEN_STEP} that fits beside everything else, at most this rank's batch)")  # fmt: skip
+            return lines
+        tried.append((shard, needed))
+    shard, needed = tried[-1]
+    what = (
+        f"parallel=auto: even s{shard} (the whole node)"
+        if p.auto
+        else f"hsdp_r{p.dp_replicate_size}s{shard}"
+    )
+    raise NoFit(
+        f"{what} needs {gb(needed)} per GPU, the GPU has {gb(capacity)}; to fit: "
+        + ("lower " if tokens_auto else "lower rl.micro_batch_tokens, ")
+        + "rl.max_new_tokens or rl.prompts_per_step x rl.samples_per_prompt per rank (more nodes), "
+        "model.activation_checkpointing=true, or "
+        + ("more GPUs per node" if p.auto else "a larger parallel.dp_shard_size")
+    )

@@ -60,6 +60,12 @@ def type_ok(value: object, tp: object) -> str | None:
     """None if `value` (as Hydra parsed it) fits `tp`, else the expected type's name."""
     union = typing.get_origin(tp) in (typing.Union, types.UnionType)
     optional = union and type(None) in typing.get_args(tp)
+    alternatives = [a for a in typing.get_args(tp) if a is not type(None)] if union else []
+    if len(alternatives) > 1:  # e.g. int | str (rl.micro_batch_tokens: a count or auto)
+        misses = [type_ok(value, a) for a in alternatives]
+        return (
+            None if None in misses or value is None and optional else " or ".join(map(str, misses))
+        )
     base = next(a for a in typing.get_args(tp) if a is not type(None)) if union else tp
     if value is None:
         return None if optional else getattr(base, "__name__", str(base))

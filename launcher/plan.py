@@ -1,12 +1,7 @@
 """`dry_run=true`: the plan of a run, from the config alone (no process, no weights).
 
-Memory and traffic come from the model's parameter count and the mixed-precision policy:
-
-- sharded over the S ranks of a shard group: fp32 master parameters, fp32 gradients (FSDP2
-  keeps gradients in the sharded parameters' dtype) and AdamW's two fp32 moments;
-- unsharded, per rank: the rollout engine's own copy of the weights in the compute dtype,
-  and the largest decoder layer gathered for compute (two in flight with prefetch);
-- the frozen reference, sharded like the policy in the compute dtype, when rl.kl_coef > 0.
+Memory per rank comes from launcher/memory.py (every phase of the step: rollout, update,
+optimizer), checked against measured peaks on an H200 in docs/benchmarks.md.
 
 Traffic per rank, counting bytes sent with ring algorithms: an all-gather or
 reduce-scatter of N bytes over S ranks sends (S-1)/S * N, an all-reduce of N bytes over R
@@ -14,7 +9,6 @@ ranks sends 2 (R-1)/R * N. Each forward/backward pass all-gathers the parameters
 (forward, then again in backward, since blocks reshard after forward) and reduce-scatters
 the gradients once inside the shard group; the all-reduce across replicas runs once per
 optimizer step (micro-batches before the last skip it), on the 1/S shard of the gradients.
-Activations are not estimated: they depend on sequence lengths and micro-batch size.
 """
 
 from __future__ import annotations
@@ -22,6 +16,7 @@ from __future__ import annotations
 import json
 
 from launcher.counting import count_params
+from launcher.memory import predict, shape_of
 from launcher.paths import local_model_dir
 from launcher.schema import ArchConfig, Config
 from launcher.validate import world_size
@@ -48,6 +43,10 @@ def fmt_bytes(n: float) -> str:
         if n >= scale:
             return f"{n / scale:,.2f} {unit}"
     return f"{n:,.0f} B"
+
+
+def fmt_gb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e9:,.2f}"
 
 
 def fmt_count(n: int) -> str:
@@ -86,6 +85,7 @@ def plan(cfg: Config) -> str:
     node_of = lambda rank: rank // p.nproc_per_node  # noqa: E731
 
     out = [
+        *cfg.auto_choices,
         f"hsdp-grpo plan: {cfg.presets.get('model', 'model')} ({fmt_count(n)} parameters), parallel "
         f"r{r} x s{s} on {p.nnodes} node(s) x {p.nproc_per_node} rank(s) = world {world}, device {device}",
         f"dtypes: master fp32, compute {'bf16' if compute == 2 else 'fp32'}, reduce {cfg.model.reduce_dtype}",
@@ -108,27 +108,23 @@ def plan(cfg: Config) -> str:
             + "  ".join(f"[{ranks_str(g)}]" for g in replica)
         )
 
-    sharded = n / s
-    mem = [
-        ["parameters (fp32 master, sharded)", fmt_bytes(4 * sharded)],
-        ["gradients (fp32, sharded)", fmt_bytes(4 * sharded)],
-        ["AdamW moments (2 x fp32, sharded)", fmt_bytes(8 * sharded)],
-        [
-            f"largest layer gathered x2 ({'bf16' if compute == 2 else 'fp32'})",
-            fmt_bytes(2 * compute * max(counts.per_layer, counts.embedding)),
-        ],
-        [
-            f"rollout engine weights ({'bf16' if compute == 2 else 'fp32'}, full copy)",
-            fmt_bytes(compute * n),
-        ],
+    pred = predict(arch, shape_of(cfg, s, world, device))
+    capacity = p.gpu_memory_gb * 1e9 if p.gpu_memory_gb else None
+    out += ["", f"memory per rank (launcher/memory.py; allocated bytes, GB = 1e9), peak in the "
+            f"{pred.peak_phase} phase"]  # fmt: skip
+    components: dict[str, None] = {}
+    for phase in pred.phases.values():
+        components.update(dict.fromkeys(phase))
+    rows = [
+        [name] + [fmt_gb(pred.phases[ph].get(name)) for ph in pred.phases] for name in components
     ]
-    total = 16 * sharded + 2 * compute * max(counts.per_layer, counts.embedding) + compute * n
-    if cfg.rl.kl_coef > 0:
-        mem.append(["reference model (compute dtype, sharded)", fmt_bytes(compute * sharded)])
-        total += compute * sharded
-    mem.append(["total before activations and KV cache", fmt_bytes(total)])
-    out += ["", "memory per rank", table(["what", "bytes"], mem)]
-
+    rows.append(["total"] + [fmt_gb(pred.total(ph)) for ph in pred.phases])
+    out.append(table(["what", *pred.phases], rows))
+    verdict = (f"; this GPU: {capacity / 1e9:.1f} GB: {'fits' if pred.needs() <= capacity else 'does NOT fit'}"
+               if capacity else "")  # fmt: skip
+    out.append(
+        f"needs {pred.needs() / 1e9:.1f} GB per GPU with allocator slack and CUDA/NCCL reserve{verdict}"
+    )
     ag = 2 * (s - 1) / s * n * compute
     rs = (s - 1) / s * n * reduce
     ar = 2 * (r - 1) / r * (n / s) * reduce if r > 1 else 0.0
@@ -136,11 +132,10 @@ def plan(cfg: Config) -> str:
     local_responses = (
         cfg.rl.prompts_per_step * cfg.rl.samples_per_prompt // max(world // p.cp_size, 1)
     )
-    if (
-        cfg.rl.micro_batch_tokens > 0
-    ):  # rows of full-length responses per budget (prompts not counted)
-        per_micro = max(1, cfg.rl.micro_batch_tokens // cfg.rl.max_new_tokens)
-        what = f"<= {cfg.rl.micro_batch_tokens} tokens; about, for full-length responses"
+    tokens = cfg.rl.micro_batch_tokens
+    if isinstance(tokens, int) and tokens > 0:  # rows of full-length responses per budget
+        per_micro = max(1, tokens // cfg.rl.max_new_tokens)
+        what = f"<= {tokens} tokens; about, for full-length responses"
     else:
         per_micro, what = (
             cfg.rl.micro_batch_responses,
@@ -163,6 +158,5 @@ def plan(cfg: Config) -> str:
         f"bytes sent per rank ({micro} micro-batch(es) of {what} per optimizer step)",
         table(["collective", "group", "per fwd/bwd", "per optimizer step"], traffic),
         "",
-        "activations and KV cache are not included; see docs/configuration.md for the knobs.",
     ]
     return "\n".join(out)

@@ -8,6 +8,7 @@ them into these dataclasses in struct mode). Each field's comment is its documen
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Union
 
 from hydra.core.config_store import ConfigStore
 
@@ -41,6 +42,12 @@ class ParallelConfig:
     dp_replicate_size: int = 1
     # Shard group size S: ranks one parameter is sharded over (all-gather / reduce-scatter stay inside).
     dp_shard_size: int = 1
+    # parallel=auto: the launcher picks dp_shard_size, the smallest divisor of nproc_per_node
+    # whose predicted step fits (launcher/memory.py), and dp_replicate_size = world / that.
+    auto: bool = False
+    # Memory per GPU the plan may use (GB, 1e9 bytes); null: read from the first visible GPU.
+    # Needed by parallel=auto and rl.micro_batch_tokens=auto where no GPU is visible.
+    gpu_memory_gb: float | None = None
     # Context-parallel size; only 1 is implemented, the mesh view exists for later.
     cp_size: int = 1
     # Nodes in the job; each runs one launcher and one torchrun agent.
@@ -177,7 +184,9 @@ class RLConfig:
     micro_batch_responses: int = 16
     # Token budget per forward/backward on one rank (rows x longest row); 0: use
     # micro_batch_responses. Rows are sorted by length and packed, so padding stays small.
-    micro_batch_tokens: int = 0
+    # auto: the largest budget (a multiple of 256) whose predicted step fits the GPU
+    # (launcher/memory.py; needs a visible GPU or parallel.gpu_memory_gb).
+    micro_batch_tokens: Union[int, str] = 0  # noqa: UP007 (OmegaConf 2.3 reads typing.Union only)
     # Longest response; longer ones are cut (counted in rollout/truncated_frac).
     max_new_tokens: int = 256
     # Sampling temperature; logits are divided by it in rollout and training alike.
@@ -362,6 +371,8 @@ class Config:
     # Filled in by the launcher: the preset chosen in each group (Hydra's choices), e.g.
     # {model: qwen3_4b, parallel: hsdp_r2s2}; names runs and plans.
     presets: dict[str, str] = field(default_factory=dict)
+    # Filled in by the launcher: what parallel=auto / rl.micro_batch_tokens=auto chose and why.
+    auto_choices: list[str] = field(default_factory=list)
 
 
 def load(source) -> Config:

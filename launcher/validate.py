@@ -206,7 +206,12 @@ def validate_rl(cfg: Config) -> None:
     at_least("rl.samples_per_prompt", r.samples_per_prompt, 2)  # a group of one has no advantage
     at_least("rl.updates_per_step", r.updates_per_step, 1)
     at_least("rl.micro_batch_responses", r.micro_batch_responses, 1)
-    at_least("rl.micro_batch_tokens", r.micro_batch_tokens, 0)
+    check(
+        isinstance(r.micro_batch_tokens, int),
+        f"rl.micro_batch_tokens={r.micro_batch_tokens!r} is not a token count or auto; use a "
+        "number (0: rl.micro_batch_responses) or auto",
+    )  # auto is resolved to a number before validation (launcher/main.py)
+    at_least("rl.micro_batch_tokens", int(r.micro_batch_tokens), 0)
     at_least("rl.logprob_chunk_tokens", r.logprob_chunk_tokens, 1)
     at_least("rl.decode_spans", r.decode_spans, 1)
     check(

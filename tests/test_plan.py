@@ -37,8 +37,10 @@ def test_plan_numbers_for_qwen3_4b_r2s4():
     assert "world 8" in text and "device cuda" in text and "compute bf16" in text
     assert "replica 0     0-3" in text and "replica 1     4-7" in text
     assert "[0,4]  [1,5]  [2,6]  [3,7]" in text
-    assert gib(4 * n / 4) in text  # fp32 master shard
-    assert gib(8 * n / 4) in text  # AdamW moments
+    gb = lambda b: f"{b / 1e9:,.2f}"  # noqa: E731
+    assert gb(4 * n / 4) in text  # fp32 master shard
+    assert gb(8 * n / 4) in text  # AdamW moments
+    assert "peak in the" in text and "KV cache" in text and "activations (checkpointed)" in text
     assert gib(2 * 3 / 4 * n * 2) in text  # bf16 all-gather fwd + bwd inside a shard group of 4
     assert gib(2 * 1 / 2 * n / 4 * 4) in text  # fp32 all-reduce of the 1/4 shard across 2 replicas
 
@@ -62,3 +64,121 @@ def test_plan_warns_when_a_shard_group_spans_nodes():
         "parallel.rdzv_endpoint=h:1",
     )
     assert "spans nodes" in plan(cfg)
+
+
+# Peaks measured on one H200 (docs/benchmarks.md, 2026-12-04: scripts/bench.py --skip
+# decode,train, Qwen3-4B random init, 64 x 8 responses, prompt 128): overrides -> measured GB
+# per phase (torch.cuda.max_memory_allocated). The model must stay within 10% of each.
+H200_PEAKS = {
+    "": {"rollout": 93.27, "update": 121.43, "optimizer": 117.63},
+    "rl.micro_batch_tokens=4096": {"rollout": 93.27, "update": 112.59, "optimizer": 117.63},
+    "model.activation_checkpointing=false rl.micro_batch_tokens=2048": {
+        "rollout": 93.27, "update": 115.94, "optimizer": 117.63},
+    "rl.max_new_tokens=512": {"rollout": 112.6, "update": 139.87, "optimizer": 136.96},
+}  # fmt: skip
+
+
+def test_memory_model_against_peaks_measured_on_the_h200():
+    from launcher.memory import predict, shape_of
+
+    for overrides, measured in H200_PEAKS.items():
+        cfg = compose_config("model=qwen3_4b", "parallel=single", "data.num_digits=127",
+                             "rl.prompts_per_step=64", "rl.samples_per_prompt=8",
+                             "rl.max_new_tokens=256", *overrides.split())  # fmt: skip
+        pred = predict(cfg.model.arch, shape_of(cfg, 1, 1, "cuda"))
+        for phase, gb in measured.items():
+            assert abs(pred.total(phase) / 1e9 - gb) / gb < 0.10, (overrides, phase)
+        assert abs(pred.peak / 1e9 - max(measured.values())) / max(measured.values()) < 0.10
+
+
+def test_memory_model_components_by_hand():
+    """Qwen3-4B, r1s4, 4 ranks: the states split by the shard group, the rest per rank."""
+    from launcher.memory import predict, shape_of
+
+    cfg = compose_config("model=qwen3_4b", "parallel=hsdp_r1s4", "rl.max_new_tokens=256",
+                         "rl.micro_batch_tokens=8192", "rl.kl_coef=0.1")  # fmt: skip
+    a, n = cfg.model.arch, count_params(cfg.model.arch).total
+    pred = predict(a, shape_of(cfg, 4, 4, "cuda"))
+    upd = pred.phases["update"]
+    assert upd["master parameters (fp32, sharded)"] == 4 * n / 4
+    assert upd["reference model (fp32, sharded)"] == 4 * n / 4
+    assert upd["rollout engine weights"] == 2 * n  # every rank holds a full bf16 copy
+    # 16 x 8 / 4 = 32 responses per rank; (5 + 256) -> 320 cache columns; 36 layers, 8 kv heads
+    assert upd["KV cache"] == 36 * 2 * 32 * 8 * 128 * 2 * 320
+    assert upd["logits and their gradient"] == 2 * 2 * 8192 * 151936
+    assert upd["activations (checkpointed)"] == 36 * 2 * 2560 * 8192 + 2 * 8192 * (
+        22 * 2560 + 20 * 32 * 128 + 20 * 8 * 128 + 8 * 9728
+    )
+
+
+def auto_choice(gpu_gb: float, nnodes: int, nproc: int, *extra: str):
+    from launcher.main import resolve_autos
+
+    cfg = compose_config("model=qwen3_4b", "parallel=auto", f"parallel.nnodes={nnodes}",
+                         f"parallel.nproc_per_node={nproc}", f"parallel.gpu_memory_gb={gpu_gb}",
+                         "rl.max_new_tokens=1024", "rl.prompts_per_step=64", *extra)  # fmt: skip
+    lines = resolve_autos(cfg, gpus=0)
+    return cfg, lines
+
+
+def test_parallel_auto_picks_the_smallest_shard_group_that_fits():
+    from launcher.memory import divisors, predict, shape_of
+
+    for gpu_gb in (40, 80, 141, 192):
+        for nnodes in (1, 2, 4):
+            for nproc in (4, 8):
+                try:
+                    cfg, lines = auto_choice(gpu_gb, nnodes, nproc)
+                except Exception as e:  # nothing fits: every S of the node is too big
+                    assert "does not fit" not in str(e) and "per GPU, the GPU has" in str(e)
+                    world = nnodes * nproc
+                    c = compose_config("model=qwen3_4b", "rl.max_new_tokens=1024",
+                                       "rl.prompts_per_step=64")  # fmt: skip
+                    assert (
+                        predict(c.model.arch, shape_of(c, nproc, world, "cuda")).needs()
+                        > gpu_gb * 1e9
+                    )
+                    continue
+                p, world = cfg.parallel, nnodes * nproc
+                s = p.dp_shard_size
+                assert p.dp_replicate_size * s == world and nproc % s == 0
+                assert lines[0] == f"parallel=auto -> hsdp_r{world // s}s{s}"
+                need = predict(cfg.model.arch, shape_of(cfg, s, world, "cuda")).needs()
+                assert need <= gpu_gb * 1e9
+                smaller = [d for d in divisors(nproc) if d < s]
+                if smaller:  # the next smaller shard group does not fit
+                    assert (
+                        predict(cfg.model.arch, shape_of(cfg, smaller[-1], world, "cuda")).needs()
+                        > gpu_gb * 1e9
+                    )
+                    assert f"s{smaller[-1]} (the next smaller)" in lines[2]
+    # Qwen3-4B, 64 x 8 responses of 1024 tokens on 8 GPUs: 16 N bytes of states (64 GB) over
+    # S GPUs, plus per GPU the bf16 copy (8 GB), its KV cache and the micro-batch
+    expected = {141: 1, 80: 2, 60: 4, 48: 8}
+    assert {gpu: auto_choice(gpu, 1, 8)[0].parallel.dp_shard_size for gpu in expected} == expected
+
+
+def test_micro_batch_tokens_auto_is_the_largest_budget_that_fits():
+    from launcher.memory import TOKEN_STEP, predict, shape_of
+
+    cfg, lines = auto_choice(80, 1, 8, "rl.micro_batch_tokens=auto")
+    t, s = cfg.rl.micro_batch_tokens, cfg.parallel.dp_shard_size
+    assert isinstance(t, int) and t % TOKEN_STEP == 0 and f"-> {t} " in lines[-1]
+    fits = lambda tokens: (
+        predict(cfg.model.arch, shape_of(cfg, s, 8, "cuda", tokens)).needs() <= 80e9
+    )  # noqa: E731
+    assert fits(t) and not fits(t + TOKEN_STEP)
+
+
+def test_nothing_fits_is_one_line_and_exit_2(tmp_path):
+    out = launch("model=qwen3_4b", "parallel=auto", "parallel.nproc_per_node=2",
+                 "parallel.gpu_memory_gb=20", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    assert out.returncode == 2
+    line = out.stderr.strip()
+    assert "\n" not in line and line.startswith(
+        "error: parallel=auto: even s2 (the whole node) needs"
+    )
+    assert "the GPU has 20.0 GB" in line and "model.activation_checkpointing" in line
+    out = launch("model=qwen3_4b", "parallel=auto", "parallel.nproc_per_node=8", "dry_run=true",
+                 "device=cpu", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    assert out.returncode == 2 and "set parallel.gpu_memory_gb" in out.stderr

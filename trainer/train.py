@@ -462,9 +462,11 @@ class GRPOTrainer:
         reference pass and every update of the step: the rows do not change in between."""
         lengths = batch.attention_mask_NL.sum(-1).tolist()
         rl = self.rl
-        needed = micro_batches.local_count(lengths, rl.micro_batch_responses, rl.micro_batch_tokens)
+        tokens = rl.micro_batch_tokens
+        assert isinstance(tokens, int), "rl.micro_batch_tokens=auto is resolved by the launcher"
+        needed = micro_batches.local_count(lengths, rl.micro_batch_responses, tokens)
         count = micro_batches.agreed_count(needed, self.dp_group, self.ps.device)
-        plan = micro_batches.split(lengths, count, rl.micro_batch_tokens)
+        plan = micro_batches.split(lengths, count, tokens)
         if stats is not None:
             stats.plan(count, needed, sum(mb.empty for mb in plan))
         return plan

@@ -59,12 +59,13 @@ class Shape:
     reshard_after_forward: bool = True
     reference: bool = False
     chunk_tokens: int = 1024
-    engine_kv_cache: bool = True  # the static engine (GPU); the CPU engine's cache is transient
+    gpu: bool = True  # the static engine keeps its KV cache; CUDA context and NCCL reserve
 
 
 @dataclass
 class Prediction:
     phases: dict[str, dict[str, float]] = field(default_factory=dict)
+    reserve: float = RESERVE_BYTES
 
     def total(self, phase: str) -> float:
         return sum(self.phases[phase].values())
@@ -79,7 +80,7 @@ class Prediction:
 
     def needs(self) -> float:
         """Device memory a run needs: the allocated peak, allocator slack, context and NCCL."""
-        return self.peak * (1 + SLACK) + RESERVE_BYTES
+        return self.peak * (1 + SLACK) + self.reserve
 
 
 def layer_activation_bytes(a, c: int) -> float:
@@ -104,7 +105,7 @@ def predict(a, s: Shape) -> Prediction:
     act = layer_activation_bytes(a, c)
     prefill = s.responses * s.prompt_tokens * act / 2  # no grad: about half is live at once
     sampling = s.responses * v * (c + 3 * 4)
-    kept_kv = {"KV cache": kv} if s.engine_kv_cache else {}  # kept through the step
+    kept_kv = {"KV cache": kv} if s.gpu else {}  # kept through the step
     rollout = {**always, "KV cache": kv, "prefill or sampling working set": max(prefill, sampling)}
     t = s.micro_batch_tokens
     root = counts.embedding * (1 if a.tie_word_embeddings else 2)
@@ -121,7 +122,8 @@ def predict(a, s: Shape) -> Prediction:
               "log-softmax chunks (fp32)": 16 * min(s.chunk_tokens, t) * v}  # fmt: skip
     optimizer = {**always, **kept_kv, "gradients (fp32, sharded)": 4 * n / s.shard,
                  "AdamW temporaries (fp32, sharded)": 4 * n / s.shard}  # fmt: skip
-    return Prediction({"rollout": rollout, "update": update, "optimizer": optimizer})
+    return Prediction({"rollout": rollout, "update": update, "optimizer": optimizer},
+                      RESERVE_BYTES if s.gpu else 0.0)
 
 
 def micro_batch_tokens(cfg, prompt_tokens: int) -> int:
@@ -148,7 +150,7 @@ def shape_of(cfg, shard: int, world: int, device: str, tokens: int | None = None
                  micro_batch_tokens=tokens if tokens is not None else micro_batch_tokens(cfg, p),
                  compute_bytes=compute, checkpointing=m.activation_checkpointing,
                  reshard_after_forward=m.reshard_after_forward, reference=r.kl_coef > 0,
-                 chunk_tokens=r.logprob_chunk_tokens, engine_kv_cache=device == "cuda")  # fmt: skip
+                 chunk_tokens=r.logprob_chunk_tokens, gpu=device == "cuda")  # fmt: skip
 
 
 # ---- parallel=auto and rl.micro_batch_tokens=auto ------------------------------------------

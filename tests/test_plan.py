@@ -182,3 +182,14 @@ def test_nothing_fits_is_one_line_and_exit_2(tmp_path):
     out = launch("model=qwen3_4b", "parallel=auto", "parallel.nproc_per_node=8", "dry_run=true",
                  "device=cpu", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
     assert out.returncode == 2 and "set parallel.gpu_memory_gb" in out.stderr
+
+
+def test_parallel_auto_runs_on_cpu_with_what_it_chose(tmp_path):
+    run_dir = tmp_path / "run"
+    out = launch("device=cpu", "parallel=auto", "parallel.nproc_per_node=2",
+                 "parallel.gpu_memory_gb=1", "rl.micro_batch_tokens=auto", "trainer.max_steps=2",
+                 "logger=none", f"hydra.run.dir={run_dir}")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("parallel=auto -> hsdp_r2s1\n")  # the tiny model fits one rank
+    saved = (run_dir / "config.yaml").read_text()
+    assert "dp_replicate_size: 2" in saved and "micro_batch_tokens: 1024" in saved

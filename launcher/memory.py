@@ -122,8 +122,10 @@ def predict(a, s: Shape) -> Prediction:
               "log-softmax chunks (fp32)": 16 * min(s.chunk_tokens, t) * v}  # fmt: skip
     optimizer = {**always, **kept_kv, "gradients (fp32, sharded)": 4 * n / s.shard,
                  "AdamW temporaries (fp32, sharded)": 4 * n / s.shard}  # fmt: skip
-    return Prediction({"rollout": rollout, "update": update, "optimizer": optimizer},
-                      RESERVE_BYTES if s.gpu else 0.0)
+    return Prediction(
+        {"rollout": rollout, "update": update, "optimizer": optimizer},
+        RESERVE_BYTES if s.gpu else 0.0,
+    )
 
 
 def micro_batch_tokens(cfg, prompt_tokens: int) -> int:

@@ -366,6 +366,10 @@ class Config:
     device: str = choice("auto", "auto", "cuda", "cpu")
     # Print the plan (mesh, memory, traffic) and exit without starting a process.
     dry_run: bool = False
+    # Before training: one GRPO update's gradient on this layout against one process over the
+    # same global batch (trainer/parity.py); exits 1 on FAIL. With trainer.max_steps=0 it checks
+    # and stops: the first command to run on a new cluster.
+    parity_check: bool = False
     # Filled in by the launcher: where this run writes config, logs and metrics.
     run_dir: str = ""
     # Filled in by the launcher: the preset chosen in each group (Hydra's choices), e.g.

@@ -272,7 +272,7 @@ def validate_rl(cfg: Config) -> None:
     at_least("optim.max_grad_norm", o.max_grad_norm, 0)
     at_least("optim.warmup_steps", o.warmup_steps, 0)
     check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
-    at_least("trainer.max_steps", t.max_steps, 1)
+    at_least("trainer.max_steps", t.max_steps, 0 if cfg.parity_check else 1)  # 0: check, stop
     at_least("trainer.save_every", t.save_every, 0)
     at_least("trainer.keep_last", t.keep_last, 0)
     at_least("trainer.max_bad_updates", t.max_bad_updates, 1)

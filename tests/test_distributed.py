@@ -133,3 +133,15 @@ def test_dynamic_sampling_and_evaluation_when_ranks_differ(tmp_path):
     for name, value in expected.items():
         assert ranks[0]["eval"][name] == pytest.approx(value), name
     assert [len(r["eval_calls"]) for r in ranks] == [1, 1, 1, 0]  # 4 rows padded to 5; none
+
+
+def test_parity_check_passes_on_every_layout_and_names_a_corrupted_shard(tmp_path):
+    out = tmp_path / "parity.json"
+    torchrun("parity.py", 4, str(tmp_path / "run"), str(out))
+    results = json.loads(out.read_text())
+    for layout in ("r1s4", "r2s2", "r4s1"):
+        ok, line = results[layout]
+        assert ok and line.startswith("parity: max |g - g_ref| / max |g_ref| = "), line
+        assert "(tolerance 0.0001 for fp32" in line and line.endswith(f"layout {layout}): ok")
+    ok, line = results["r2s2 corrupted"]
+    assert not ok and "FAIL, worst parameter model.layers.1.mlp.down_proj.weight" in line

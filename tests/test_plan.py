@@ -185,11 +185,22 @@ def test_nothing_fits_is_one_line_and_exit_2(tmp_path):
 
 
 def test_parallel_auto_runs_on_cpu_with_what_it_chose(tmp_path):
+    """Both autos, then parity_check=true on the chosen layout, then training."""
     run_dir = tmp_path / "run"
     out = launch("device=cpu", "parallel=auto", "parallel.nproc_per_node=2",
                  "parallel.gpu_memory_gb=1", "rl.micro_batch_tokens=auto", "trainer.max_steps=2",
-                 "logger=none", f"hydra.run.dir={run_dir}")  # fmt: skip
+                 "parity_check=true", "logger=none", f"hydra.run.dir={run_dir}")  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("parallel=auto -> hsdp_r2s1\n")  # the tiny model fits one rank
+    assert "layout r2s1): ok\n" in out.stdout and "step 2/2" in out.stdout
     saved = (run_dir / "config.yaml").read_text()
     assert "dp_replicate_size: 2" in saved and "micro_batch_tokens: 1024" in saved
+
+
+def test_parity_check_alone_checks_and_stops(tmp_path):
+    run_dir = tmp_path / "run"
+    out = launch("device=cpu", "parallel=hsdp_r1s2", "parity_check=true", "trainer.max_steps=0",
+                 "logger=none", f"hydra.run.dir={run_dir}")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "layout r1s2): ok" in out.stdout and "step 1/" not in out.stdout
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "hf").exists()

@@ -137,6 +137,12 @@ def main(config_path: str) -> None:
         run(cfg, rank, watchdog)
     except RunError as e:  # raised alike on every rank: one line and its exit code
         print(f"error: {e}", flush=True)
+        if dist.is_initialized():  # leave together: a peer gone mid-teardown makes gloo abort
+            try:
+                dist.barrier()
+                dist.destroy_process_group()
+            except Exception:
+                pass
         watchdog.close()
         sys.exit(e.exit_code)
     watchdog.close()
@@ -169,7 +175,17 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
     else:
         from trainer.train import GRPOTrainer
 
-        GRPOTrainer(cfg, ps, model, watchdog, task).train()
+        trainer = GRPOTrainer(cfg, ps, model, watchdog, task)
+        if cfg.parity_check:
+            from trainer import parity
+
+            ok, line = parity.check(trainer)
+            if not ok:  # the same verdict on every rank (broadcast)
+                raise RunError(line, exit_code=1)
+            if ps.rank == 0:
+                print(line, flush=True)
+        if cfg.trainer.max_steps > 0:
+            trainer.train()
     dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
     dist.destroy_process_group()
 

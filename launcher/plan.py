@@ -19,6 +19,7 @@ from launcher.counting import count_params
 from launcher.memory import predict, shape_of
 from launcher.paths import local_model_dir
 from launcher.schema import ArchConfig, Config
+from launcher.steptime import predict_step
 from launcher.validate import world_size
 
 GIB = 1024**3
@@ -125,6 +126,11 @@ def plan(cfg: Config) -> str:
     out.append(
         f"needs {pred.needs() / 1e9:.1f} GB per GPU with allocator slack and CUDA/NCCL reserve{verdict}"
     )
+    if device == "cuda":
+        t = predict_step(cfg, arch, shape_of(cfg, s, world, device), world)
+        parts = ", ".join(f"{k} {v:.2f} s" for k, v in t.items() if k != "step")
+        out += ["", f"predicted step time on H200s (launcher/steptime.py, every response at full "
+                f"length): {t['step']:.1f} s = {parts}"]  # fmt: skip
     ag = 2 * (s - 1) / s * n * compute
     rs = (s - 1) / s * n * reduce
     ar = 2 * (r - 1) / r * (n / s) * reduce if r > 1 else 0.0

@@ -48,6 +48,9 @@ class ParallelConfig:
     # Memory per GPU the plan may use (GB, 1e9 bytes); null: read from the first visible GPU.
     # Needed by parallel=auto and rl.micro_batch_tokens=auto where no GPU is visible.
     gpu_memory_gb: float | None = None
+    # Inter-node bandwidth per GPU in Gb/s, for the plan's predicted step time (400: NDR
+    # InfiniBand, one NIC per GPU).
+    link_gbps: float = 400.0
     # Context-parallel size; only 1 is implemented, the mesh view exists for later.
     cp_size: int = 1
     # Nodes in the job; each runs one launcher and one torchrun agent.

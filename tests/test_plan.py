@@ -204,3 +204,27 @@ def test_parity_check_alone_checks_and_stops(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "layout r1s2): ok" in out.stdout and "step 1/" not in out.stdout
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "hf").exists()
+
+
+# Steps measured on the same H200 runs (time/step_s; the last three decoded without
+# torch.compile, slower than the preset's compiled decode the model assumes).
+H200_STEP_S = {"": 17.97, "rl.micro_batch_tokens=4096": 21.99,
+               "model.activation_checkpointing=false rl.micro_batch_tokens=2048": 25.75,
+               "rl.max_new_tokens=512": 37.78}  # fmt: skip
+
+
+def test_predicted_step_time_within_25_percent_of_the_h200():
+    from launcher.memory import shape_of
+    from launcher.steptime import predict_step
+
+    for overrides, measured in H200_STEP_S.items():
+        cfg = compose_config("model=qwen3_4b", "parallel=single", "data.num_digits=127",
+                             "rl.prompts_per_step=64", "rl.samples_per_prompt=8",
+                             "rl.max_new_tokens=256", *overrides.split())  # fmt: skip
+        step = predict_step(cfg, cfg.model.arch, shape_of(cfg, 1, 1, "cuda"), 1)["step"]
+        assert abs(step - measured) / measured < 0.25, (overrides, step, measured)
+    # two nodes: the replica all-reduce crosses parallel.link_gbps and is counted
+    cfg = compose_config("model=qwen3_4b", "parallel=hsdp_r2s8_2nodes", "parallel.link_gbps=100")
+    t = predict_step(cfg, cfg.model.arch, shape_of(cfg, 8, 16, "cuda"), 16)
+    n = count_params(cfg.model.arch).total
+    assert abs(t["replica all-reduce"] - 2 * 0.5 * 4 * n / 8 / 12.5e9) < 1e-6

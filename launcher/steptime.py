@@ -1,0 +1,67 @@
+"""Predicted GRPO step time from the config and measured H200 ceilings (no torch).
+
+    rollout   max_new_tokens decode steps, each max(bytes / BW, FLOPs / peak) x DECODE_OVER_FLOOR:
+              bytes = the engine's weights + the KV cache's filled part (on average the prompt
+              and half the new tokens), FLOPs = 2 x matmul params x this rank's rows
+    update    hardware FLOPs (6 x matmul params x tokens + causal attention; x 4/3 with
+              activation checkpointing) / (peak x TRAIN_MATH_EFFICIENCY)
+              + MICRO_BATCH_OVERHEAD_S per micro-batch (FSDP unit hooks, the chunked log-softmax,
+              launches), both fitted on two H200 runs and checked on two others
+              (docs/benchmarks.md)
+    shard     all-gathers (forward and backward) and the reduce-scatter per micro-batch inside
+              a shard group over NVLink (NVLINK_BPS); FSDP overlaps them with compute, so only
+              what exceeds the update's compute is counted
+    replicas  the all-reduce of the gradient shards across replica groups, once per optimizer
+              step, over NVLink on one node or `parallel.link_gbps` across nodes
+    optimizer AdamW reads and writes the sharded states about 2.5 times: 40 N / S bytes / BW
+
+The ceilings are one H200's (scripts/bench.py, 2026-12-04): copy bandwidth 4.08 TB/s, bf16
+matmul 759 TFLOP/s. NVLINK_BPS is the H200 NVLink's datasheet 450 GB/s per direction derated
+to 370 GB/s of all-gather bus bandwidth, not measured here (multi-GPU machines were withheld).
+"""
+
+from __future__ import annotations
+
+from launcher.counting import count_params
+from launcher.memory import Shape
+
+BANDWIDTH_BPS = 4.08e12
+BF16_FLOPS = 759e12
+DECODE_OVER_FLOOR = 3.3  # the preset's decode at 512 rows: 22 ms per step against 6.7 ms
+TRAIN_MATH_EFFICIENCY = 0.8375  # share of the measured peak the matmuls reach, fitted
+MICRO_BATCH_OVERHEAD_S = 0.0885  # seconds per forward/backward pass beyond its FLOPs, fitted
+NVLINK_BPS = 370e9
+
+
+def predict_step(cfg, arch, s: Shape, world: int) -> dict[str, float]:
+    counts = count_params(arch)
+    r, m, p = cfg.rl, cfg.model, cfg.parallel
+    c = s.compute_bytes
+    rows, prompt, new = s.responses, s.prompt_tokens, s.new_tokens
+    # rollout: the KV cache's filled part averages prompt + new / 2 columns
+    kv_per_col = arch.num_hidden_layers * 2 * rows * arch.num_key_value_heads * arch.head_dim * c
+    step_bytes = c * counts.total + kv_per_col * (prompt + new / 2)
+    step_flops = 2 * counts.matmul * rows
+    rollout = new * max(step_bytes / BANDWIDTH_BPS, step_flops / BF16_FLOPS) * DECODE_OVER_FLOOR
+    # update: every row at full length (responses that stop early make it shorter)
+    length = prompt + new
+    tokens = rows * length
+    attention = 6 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim
+    flops = 6 * counts.matmul * tokens + attention * rows * length**2
+    hardware = flops * (4 / 3 if m.activation_checkpointing else 1)
+    budget = r.micro_batch_tokens if isinstance(r.micro_batch_tokens, int) else 0
+    rows_per_micro = max(1, budget // length) if budget > 0 else r.micro_batch_responses
+    micro = -(-rows // rows_per_micro) * r.updates_per_step
+    compute = hardware * r.updates_per_step / (BF16_FLOPS * TRAIN_MATH_EFFICIENCY)
+    update = compute + micro * MICRO_BATCH_OVERHEAD_S
+    shard = s.shard
+    shard_bytes = micro * ((shard - 1) / shard) * counts.total * (2 * c + 4)
+    exposed_shard = max(0.0, shard_bytes / NVLINK_BPS - compute)
+    replicas = world // shard
+    link = p.link_gbps * 1e9 / 8 if p.nnodes > 1 else NVLINK_BPS
+    allreduce = 2 * (replicas - 1) / replicas * 4 * counts.total / shard / link * r.updates_per_step
+    optimizer = 40 * counts.total / shard / BANDWIDTH_BPS * r.updates_per_step
+    out = {"rollout": rollout, "update": update, "shard traffic (exposed)": exposed_shard,
+           "replica all-reduce": allreduce, "optimizer": optimizer}  # fmt: skip
+    out["step"] = sum(out.values())
+    return out

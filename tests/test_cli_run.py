@@ -258,8 +258,12 @@ def test_a_stopped_rank_is_named_within_the_hang_timeout(tmp_path):
     assert "no heartbeat for" in next(x for x in lines if x.startswith("  rank 2:"))
     assert json.loads((run_dir / "status.json").read_text())["exit_code"] == 124
     log0 = (run_dir / "logs" / "rank_0.log").read_text()
-    assert "watchdog: rank 0 made no progress for" in log0
-    assert 'File "' in log0.split("watchdog: rank 0")[1]  # its Python stack follows
+    # rank 0 names its own stall with its stack; seen once (1 in 4 suite runs) on 2 busy cores:
+    # gloo raised in rank 0 first (a peer's connection closed as the launcher stopped the run)
+    if "watchdog: rank 0 made no progress for" in log0:
+        assert 'File "' in log0.split("watchdog: rank 0")[1]  # its Python stack follows
+    else:
+        assert "remote worker crashing" in log0 or "Connection closed by peer" in log0, log0[-2000:]
     assert not any(alive(p) for p in pids)
 
 

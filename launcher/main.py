@@ -33,29 +33,30 @@ def to_typed(cfg: DictConfig) -> Config:
     return typed
 
 
+def cuda_driver():
+    """The initialised CUDA driver library, or None (no NVIDIA driver, or it fails to start)."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    return cuda if cuda.cuInit(0) == 0 else None
+
+
 def visible_gpus(device: str) -> int:
     """GPUs this process may use (CUDA_VISIBLE_DEVICES applies), asked of the CUDA driver
     itself: the launcher never imports torch (it takes seconds and a GPU context)."""
-    if device == "cpu":
-        return 0
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:  # no NVIDIA driver on this machine
-        return 0
+    cuda = None if device == "cpu" else cuda_driver()
     count = ctypes.c_int(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+    if cuda is None or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
         return 0
     return count.value
 
 
 def gpu_memory_bytes() -> float | None:
     """Total memory of the first visible GPU, from the CUDA driver (no torch); None without one."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
+    cuda = cuda_driver()
     device, total = ctypes.c_int(0), ctypes.c_size_t(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(device), 0) != 0:
+    if cuda is None or cuda.cuDeviceGet(ctypes.byref(device), 0) != 0:
         return None
     if cuda.cuDeviceTotalMem_v2(ctypes.byref(total), device) != 0:
         return None

@@ -40,7 +40,9 @@ from dataclasses import dataclass, field
 
 from launcher.counting import count_params
 
-CACHE_ALIGN = 64  # the static engine's cache length is a multiple of this (trainer/engine.py)
+CACHE_ALIGN = (
+    64  # the static engine's cache lengths and spans are multiples of this (it reads it here)
+)
 RESERVE_BYTES = 2.0e9  # CUDA context, NCCL buffers, cuBLAS workspaces: outside the allocator
 SLACK = 0.05  # the caching allocator's free blocks beside the allocated peak
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from launcher.memory import CACHE_ALIGN  # cache lengths and spans end on a multiple of it
 from trainer import decode_attention as triton_attention
 from trainer.model import CausalLM
 from trainer.rollout import (
@@ -42,8 +43,6 @@ from trainer.rollout import (
     left_pad,
     trim_at_eos,
 )
-
-CACHE_ALIGN = 64  # cache lengths and attention spans end on a multiple of this many columns
 
 
 def rms_norm(x: torch.Tensor, norm: CausalLM) -> torch.Tensor:

@@ -34,10 +34,6 @@ ROW_FIELDS = ("input_ids_NL", "attention_mask_NL", "mask_NT", "sampling_logp_NT"
               "truncated_N", "ref_logp_NT")  # fmt: skip
 
 
-def plain_name(name: str) -> str:
-    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
-
-
 def rows_of(batch) -> list[dict[str, torch.Tensor]]:
     """This rank's rows, each unpadded (its real length), on the CPU."""
     out = []
@@ -72,7 +68,7 @@ def reference_gradients(cfg, state: dict[str, torch.Tensor], rows) -> dict[str, 
 
     rl = cfg.rl
     model = AutoModelForCausalLM.from_config(hf_config(cfg.model), dtype=torch.float32)
-    model.load_state_dict({plain_name(k): v.float() for k, v in state.items()})
+    model.load_state_dict({k: v.float() for k, v in state.items()})  # names as in HF: see model.py
     fields = {f: padded(rows, f) for f in ROW_FIELDS if f in rows[0]}
     batch = Batch(fields["input_ids_NL"], fields["attention_mask_NL"], fields["mask_NT"],
                   fields["sampling_logp_NT"], fields["advantages_N"], torch.zeros(len(rows)),
@@ -121,9 +117,10 @@ def check(trainer, tamper: Callable[[], None] | None = None) -> tuple[bool, str]
         tamper()
     grads = {}
     for name, p in trainer.model.named_parameters():  # collective: every rank gathers each one
+        # p.grad is None alike on every rank (FSDP gives every shard a gradient or none)
         g = p.grad.full_tensor() if p.grad is not None else torch.zeros(p.shape, device=ps.device)
         if ps.rank == 0:
-            grads[plain_name(name)] = g.float().cpu()
+            grads[name] = g.float().cpu()
     trainer.optimizer.zero_grad(set_to_none=True)  # training starts from no gradient
     state: dict = get_model_state_dict(trainer.model,
                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip

@@ -8,9 +8,10 @@ L the layers. Three phases; the step's peak is the largest:
     always      fp32 master parameters 4N/S; AdamW's two fp32 moments 8N/S (from the first
                 optimizer step on); the reference model 4N/S (fp32 shards) when rl.kl_coef > 0;
                 the rollout engine's full weight copy cN (GPU: the static engine; its KV cache
-                stays allocated for the whole step)
+                stays allocated for the whole step unless rl.free_kv_cache)
     rollout     + KV cache  L x 2 x rows x Hkv x d x c x cache length (prompt + new tokens,
                 rounded up to 64 columns), rows = this rank's responses per sampling call
+                (`rl.rollout_batch` when set)
                 + the larger of prefill (one layer's activations over rows x prompt tokens) and
                 sampling (rows x V: logits in c, three fp32 copies)
     update      + fp32 gradients 4N/S
@@ -24,7 +25,9 @@ L the layers. Three phases; the step's peak is the largest:
                   (bf16, eager: RMSNorm's fp32 copies, q/k norm and RoPE, SwiGLU's four I-wide
                   tensors)
                 + log-probs: the model's logits T x V in c and their gradient, and the chunked
-                  fp32 log-softmax working set 4 x 4 C V (z, softmax, their product, the grad)
+                  fp32 log-softmax working set 4 x 4 C V (z, softmax, their product, the grad);
+                  with the Triton kernel (rl.logprob_kernel) the logits alone (the gradient is
+                  written over them) and no fp32 working set
     optimizer   + fp32 gradients 4N/S + AdamW's foreach temporaries 4N/S
 
 The micro-batch is `rl.micro_batch_tokens` tokens (rows x longest row, so at most that), or
@@ -62,6 +65,9 @@ class Shape:
     reference: bool = False
     chunk_tokens: int = 1024
     gpu: bool = True  # the static engine keeps its KV cache; CUDA context and NCCL reserve
+    free_kv: bool = False  # rl.free_kv_cache: the KV cache is gone during update and optimizer
+    logprob_kernel: bool = False  # rl.logprob_kernel resolved to triton
+    rollout_rows: int = 0  # rl.rollout_batch (0: every response in one call)
 
 
 @dataclass
@@ -103,11 +109,12 @@ def predict(a, s: Shape) -> Prediction:
     if s.reference:
         always["reference model (fp32, sharded)"] = 4 * n / s.shard
     cache_len = -(-(s.prompt_tokens + s.new_tokens) // CACHE_ALIGN) * CACHE_ALIGN
-    kv = layers * 2 * s.responses * a.num_key_value_heads * a.head_dim * c * cache_len
+    rows = min(s.responses, s.rollout_rows or s.responses)  # per engine call
+    kv = layers * 2 * rows * a.num_key_value_heads * a.head_dim * c * cache_len
     act = layer_activation_bytes(a, c)
-    prefill = s.responses * s.prompt_tokens * act / 2  # no grad: about half is live at once
-    sampling = s.responses * v * (c + 3 * 4)
-    kept_kv = {"KV cache": kv} if s.gpu else {}  # kept through the step
+    prefill = rows * s.prompt_tokens * act / 2  # no grad: about half is live at once
+    sampling = rows * v * (c + 3 * 4)
+    kept_kv = {"KV cache": kv} if s.gpu and not s.free_kv else {}  # kept through the step
     rollout = {**always, "KV cache": kv, "prefill or sampling working set": max(prefill, sampling)}
     t = s.micro_batch_tokens
     root = counts.embedding * (1 if a.tie_word_embeddings else 2)
@@ -120,8 +127,9 @@ def predict(a, s: Shape) -> Prediction:
               "root unit gathered + its gradient": 2 * c * root,
               "decoder layers gathered, one layer's gradients": (gathered_layers * c + c + 4) * counts.per_layer,
               "activations" + (" (checkpointed)" if s.checkpointing else ""): activations,
-              "logits and their gradient": 2 * c * t * v,
-              "log-softmax chunks (fp32)": 16 * min(s.chunk_tokens, t) * v}  # fmt: skip
+              **({"logits (their gradient in place)": c * t * v} if s.logprob_kernel else
+                 {"logits and their gradient": 2 * c * t * v,
+                  "log-softmax chunks (fp32)": 16 * min(s.chunk_tokens, t) * v})}  # fmt: skip
     optimizer = {**always, **kept_kv, "gradients (fp32, sharded)": 4 * n / s.shard,
                  "AdamW temporaries (fp32, sharded)": 4 * n / s.shard}  # fmt: skip
     return Prediction(
@@ -154,7 +162,9 @@ def shape_of(cfg, shard: int, world: int, device: str, tokens: int | None = None
                  micro_batch_tokens=tokens if tokens is not None else micro_batch_tokens(cfg, p),
                  compute_bytes=compute, checkpointing=m.activation_checkpointing,
                  reshard_after_forward=m.reshard_after_forward, reference=r.kl_coef > 0,
-                 chunk_tokens=r.logprob_chunk_tokens, gpu=device == "cuda")  # fmt: skip
+                 chunk_tokens=r.logprob_chunk_tokens, gpu=device == "cuda",
+                 free_kv=r.free_kv_cache, rollout_rows=r.rollout_batch,
+                 logprob_kernel=r.logprob_kernel == "triton" or (r.logprob_kernel == "auto" and device == "cuda"))  # fmt: skip
 
 
 # ---- parallel=auto and rl.micro_batch_tokens=auto ------------------------------------------

@@ -252,6 +252,17 @@ class RLConfig:
     # Log-probs and entropies are computed this many tokens at a time (fp32 over the vocabulary:
     # 1024 x 151,936 x 4 B = 0.6 GB per chunk for Qwen3), recomputed in backward.
     logprob_chunk_tokens: int = 1024
+    # Log-probs and entropies in the update: auto (triton on a GPU with Triton installed, else
+    # torch), triton (trainer/logprob_kernel.py: one read of the bf16 logits, no fp32 copy, the
+    # gradient written over the logits; logprob_chunk_tokens unused), torch (the chunked path).
+    logprob_kernel: str = choice("auto", "auto", "triton", "torch")
+    # Free the static engine's KV cache after each rollout and make it again (same size, same
+    # compiled steps, the CUDA graphs recaptured) at the next: the update and the optimizer step
+    # get its memory (29 GB for the qwen3_4b preset). false keeps it for the whole step.
+    free_kv_cache: bool = True
+    # Responses per rollout-engine call (0: all of a rank's responses in one call). A long-response
+    # run whose KV cache does not fit for every response at once decodes them in calls of this many.
+    rollout_batch: int = 0
     # Rollout engine: auto (static on GPUs, hf on CPU), static (static KV cache + CUDA graph),
     # hf (transformers generate).
     engine: str = choice("auto", "auto", "static", "hf")
@@ -324,6 +335,11 @@ class TrainerConfig:
     # (trainer/watchdog.py). The first step's compiles and a large checkpoint count; >= 30. The
     # process-group timeout is this plus 60 s.
     hang_timeout_s: float = 600.0
+    # Where compiled kernels (TorchInductor's FX graph and autotune caches, Triton's binaries) are
+    # kept between runs, shared by every run of this user: a second launch loads the decode steps'
+    # and layers' kernels instead of compiling them. "": torch's default (a per-user /tmp folder).
+    # TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR in the environment win.
+    compile_cache_dir: str = "~/.cache/hsdp-grpo/compile"
     # Every N steps, check that the replica groups of an HSDP layout hold identical parameter
     # shards (a fingerprint per shard, compared across replicas); a difference stops the run
     # naming the first differing parameter. 0: never. Logged as train/replica_max_diff.

@@ -66,6 +66,10 @@ def worker_env(cfg: Config) -> dict[str, str]:
     # sizes: expandable segments keep that from fragmenting the cache (a user's setting wins)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    if cfg.trainer.compile_cache_dir:  # warm starts: compiled kernels outlive the run
+        cache = Path(cfg.trainer.compile_cache_dir).expanduser()
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+        env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
     return env
 
 

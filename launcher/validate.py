@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from pathlib import Path
 
 from launcher.paths import dataset_cached, hub_offline, is_hub_id, local_model_dir
@@ -213,6 +214,7 @@ def validate_rl(cfg: Config) -> None:
     )  # auto is resolved to a number before validation (launcher/main.py)
     at_least("rl.micro_batch_tokens", int(r.micro_batch_tokens), 0)
     at_least("rl.logprob_chunk_tokens", r.logprob_chunk_tokens, 1)
+    at_least("rl.rollout_batch", r.rollout_batch, 0)
     at_least("rl.decode_spans", r.decode_spans, 1)
     check(
         r.decode_spans <= 8,
@@ -294,6 +296,18 @@ def validate(cfg: Config, visible_gpus: int, check_gpu_count: bool = True) -> No
             importlib.util.find_spec("triton") is not None,
             "rl.decode_attention=triton but Triton is not installed; pip install triton, "
             "or use rl.decode_attention=sdpa",
+        )
+    if cfg.rl.logprob_kernel == "triton":
+        check(
+            importlib.util.find_spec("triton") is not None,
+            "rl.logprob_kernel=triton but Triton is not installed; pip install triton, "
+            "or use rl.logprob_kernel=torch",
+        )
+        check(
+            resolve_device(cfg.device, visible_gpus) == "cuda"
+            or os.environ.get("TRITON_INTERPRET") == "1",
+            "rl.logprob_kernel=triton runs on GPUs; on CPU use rl.logprob_kernel=torch (or set "
+            "TRITON_INTERPRET=1 to run it in Triton's interpreter, slowly)",
         )
     validate_model(cfg)
     validate_data(cfg)

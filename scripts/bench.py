@@ -158,6 +158,7 @@ def train_bench(cfg, device, ceilings, micro: int, seq: int) -> dict:
     from trainer.model import build_model
     from trainer.parallel import ParallelState
     from trainer.perf import peak_memory_gb
+    from trainer.train import use_logprob_kernel
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
@@ -168,10 +169,12 @@ def train_bench(cfg, device, ceilings, micro: int, seq: int) -> dict:
     config = model.config
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=device.type == "cuda")
     ids = torch.randint(0, min(config.vocab_size, 150_000), (micro, seq), device=device)
+    targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)  # as the trainer: no slice of the logits
+    kernel = use_logprob_kernel(cfg, device)
 
     def step():
         logits = model(input_ids=ids).logits
-        logp, _ = token_logprobs(logits[:, :-1], ids[:, 1:], 1.0)
+        logp, _ = token_logprobs(logits, targets, 1.0, cfg.rl.logprob_chunk_tokens, kernel)
         (-logp.mean()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -193,19 +196,28 @@ def train_bench(cfg, device, ceilings, micro: int, seq: int) -> dict:
 
 
 def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, samples: int, prompt: int, new: int,
-                    overrides: list[str]) -> dict:  # fmt: skip
+                    overrides: list[str], log_to: Path | None = None) -> dict:  # fmt: skip
+    """Two steps through the launcher; step 2's metrics (step 1 compiles and captures), and the
+    wall time from starting `launch.py` to step 1's metrics line (start-up + a cold step 1)."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(ROOT / "launch.py"), "parallel=single", f"model={name}", "model.init=random",
                f"device={device.type}", f"data.num_digits={prompt - 1}", f"rl.prompts_per_step={prompts}",
                f"rl.samples_per_prompt={samples}", f"rl.max_new_tokens={new}", *overrides, "trainer.max_steps=2", "trainer.save_final=false", "trainer.export_hf=false", "logger=none",
                f"hydra.run.dir={tmp}/run"]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        if out.returncode != 0:
-            raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
-        rows = [
-            json.loads(line)
-            for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()
-        ]
+        metrics = Path(tmp) / "run" / "metrics.jsonl"
+        started, first = time.perf_counter(), None
+        with open(Path(tmp) / "out.txt", "w") as sink:
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+            while proc.poll() is None:
+                if first is None and metrics.exists() and metrics.read_text().strip():
+                    first = time.perf_counter() - started
+                time.sleep(0.1)
+        text = (Path(tmp) / "out.txt").read_text()
+        if log_to is not None:
+            log_to.write_text(text)
+        if proc.returncode != 0:
+            raise RuntimeError(text[-5000:])
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     last = rows[-1]  # step 2: compilation and capture happened in step 1
     n = prompts * samples
     length = prompt + last["rollout/response_len_mean"]
@@ -218,8 +230,12 @@ def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, sa
         for k, v in last.items()
         if k.startswith(("time/", "perf/", "rollout/", "train/rollout_"))
     }
-    return {"overrides": " ".join(overrides), **out, "floor_s": floor,
-            "step_over_floor": last["time/step_s"] / floor,
+    ready = [line for line in text.splitlines() if line.startswith("ready after")]
+    return {"overrides": " ".join(overrides), "shape": f"{prompts}x{samples}, prompt {prompt}, {new} new",
+            **out, "floor_s": floor, "step_over_floor": last["time/step_s"] / floor,
+            "launch_to_step1_s": first or float("nan"), "step1_s": rows[0]["time/step_s"],
+            "step1_rollout_s": rows[0]["time/rollout_s"], "step1_update_s": rows[0]["time/train_s"],
+            "startup": ready[0] if ready else "",
             **predicted_memory(name, device, prompts, samples, prompt, new, overrides)}  # fmt: skip
 
 
@@ -300,6 +316,8 @@ def main() -> None:
     ap.add_argument(
         "--profile", action="store_true", help="(a): write a kernel-time table per batch"
     )
+    ap.add_argument("--grpo-shape", default="64,8,128,256", metavar="P,G,PROMPT,NEW",
+                    help="(c): prompts x samples, prompt tokens, new tokens (GPU)")  # fmt: skip
     args = ap.parse_args()
     device = torch.device(args.device)
     gpu = device.type == "cuda"
@@ -349,11 +367,12 @@ def main() -> None:
         save("train")
         torch.cuda.empty_cache() if gpu else None
     if "grpo" not in skip:
-        shape = (64, 8, 128, 256) if gpu else (4, 2, 8, 8)
+        shape = tuple(map(int, args.grpo_shape.split(","))) if gpu else (4, 2, 8, 8)
         r["grpo"] = []
-        for variant in args.grpo or [""]:
+        for i, variant in enumerate(args.grpo or [""]):
             try:
-                g = grpo_step_bench(name, config, device, dtype, ceilings, *shape, variant.split())
+                g = grpo_step_bench(name, config, device, dtype, ceilings, *shape, variant.split(),  # type: ignore[misc]
+                                    out / f"grpo_{i}.log")  # fmt: skip
             except RuntimeError as e:  # one variant failing (e.g. out of memory) keeps the others
                 if not args.grpo:
                     raise

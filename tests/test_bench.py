@@ -22,4 +22,7 @@ def test_bench_cpu_smoke(tmp_path):
     assert train["tokens"] == 64 and train["step_s"] > 0 and train["overrides"] == ""
     (grpo,) = r["grpo"]
     assert grpo["time/step_s"] > 0 and "time/rollout_s" in grpo
+    # start-up: launch to step 1's metrics line, the workers' own account of it
+    assert grpo["launch_to_step1_s"] > grpo["step1_s"] > 0
+    assert grpo["startup"].startswith("ready after") and "model" in grpo["startup"]
     assert "| decode |" in (tmp_path / "bench.md").read_text()

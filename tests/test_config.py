@@ -150,3 +150,22 @@ def test_dapo_and_gspo_presets_are_the_papers():
     gspo = compose_config("rl=gspo").rl
     assert (gspo.ratio_level, gspo.clip_low, gspo.clip_high) == ("sequence", 3e-4, 4e-4)
     assert gspo.loss_agg == "seq_mean_token_mean"
+
+
+def test_compiled_kernels_are_cached_where_the_config_says(monkeypatch, tmp_path):
+    """trainer.compile_cache_dir reaches the workers as Inductor's and Triton's cache folders;
+    a user's own environment wins; "" leaves torch's default."""
+    from launcher.torchrun import worker_env
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    env = worker_env(compose_config())
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / ".cache/hsdp-grpo/compile/inductor")
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / ".cache/hsdp-grpo/compile/triton")
+    env = worker_env(compose_config(f"trainer.compile_cache_dir={tmp_path}/cc"))
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == f"{tmp_path}/cc/inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine")
+    assert worker_env(compose_config())["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert "TORCHINDUCTOR_CACHE_DIR" not in worker_env(compose_config("trainer.compile_cache_dir="))

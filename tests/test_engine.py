@@ -128,3 +128,34 @@ def test_auto_decode_attention_picks_triton_only_where_it_runs():
     assert decode_attention(compose_config(), cpu) == "sdpa"
     assert decode_attention(compose_config("model.arch.head_dim=24"), cuda) == "sdpa"
     assert decode_attention(compose_config("rl.decode_attention=sdpa"), cuda) == "sdpa"
+
+
+def test_freed_cache_is_made_again_with_the_same_compiled_step():
+    """rl.free_kv_cache: after free_cache the next generate remakes the cache at its old shape
+    and draws exactly what it would have drawn; the compiled step is reused, not recompiled
+    (its guards see the new cache tensors as the same shapes)."""
+    import torch._dynamo
+
+    config = hf_config(compose_config().model)
+    torch.manual_seed(0)
+    engine = StaticCacheEngine(config, torch.float32, torch.device("cpu"), compile=True)
+    params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=4, eos_token_id=258,
+                            pad_token_id=256)  # fmt: skip
+    rows = [[5, 6, 7], [8, 9]]
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    first = engine.generate(rows, params)
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch.manual_seed(2)
+    kept = engine.generate(rows, params)
+    engine.free_cache()
+    assert engine.net.k_cache == [] and engine.net.shape is not None
+    torch.manual_seed(2)
+    remade = engine.generate(rows, params)
+    assert len(engine.net.k_cache) == config.num_hidden_layers
+    assert remade.response_ids == kept.response_ids
+    torch.testing.assert_close(
+        torch.cat(remade.sampling_logprobs), torch.cat(kept.sampling_logprobs)
+    )
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled, "recompiled"
+    assert first.response_ids  # the compiled step ran

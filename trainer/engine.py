@@ -109,17 +109,21 @@ class FusedQwen3:
         self.gate_up = [fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj])
                         for layer in model.model.layers]  # fmt: skip
         self.shape: tuple[int, int] | None = None  # (batch, cache length) the buffers are sized for
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
 
-    def allocate(self, batch: int, length: int) -> bool:
-        """Cache and step buffers for `batch` rows of `length` columns; False if the current
-        ones already serve (same batch, at least as long)."""
+    def allocate(self, batch: int, length: int) -> str:
+        """Cache and step buffers for `batch` rows of `length` columns. Returns "kept" if the
+        current ones serve (same batch, at least as long), "remade" if only a freed cache was made
+        again at its old shape (compiled steps stay valid; CUDA graphs read the old addresses and
+        must be recaptured), "new" if every buffer changed size."""
         if self.shape is not None and self.shape[0] == batch and self.shape[1] >= length:
-            return False
-        cfg, dev = self.config, self.device
-        shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)
-        layers = range(cfg.num_hidden_layers)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in layers]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=dev) for _ in layers]
+            if self.k_cache:
+                return "kept"
+            self.make_cache(*self.shape)
+            return "remade"
+        dev = self.device
+        self.make_cache(batch, length)
         self.key_valid = torch.zeros((batch, length), dtype=torch.bool, device=dev)
         # the decode step's inputs and outputs, static so that a captured graph can read and write them
         self.tok = torch.zeros(batch, dtype=torch.long, device=dev)
@@ -128,7 +132,19 @@ class FusedQwen3:
         self.logp = torch.zeros(batch, dtype=torch.float32, device=dev)
         self.greedy = torch.zeros(batch, dtype=torch.bool, device=dev)  # rows that take the argmax
         self.shape = (batch, length)
-        return True
+        return "new"
+
+    def make_cache(self, batch: int, length: int) -> None:
+        cfg = self.config
+        shape = (batch, cfg.num_key_value_heads, length, cfg.head_dim)
+        # zeros, not empty: padded columns are masked, but 0 x NaN from stale bytes would not be
+        layers = range(cfg.num_hidden_layers)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in layers]
+
+    def free_cache(self) -> None:
+        """Drop the K/V cache (the engine's largest buffer) until the next `allocate`."""
+        self.k_cache, self.v_cache = [], []
 
     def rope(self, pos_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = pos_BT[..., None].float() * self.inv_freq
@@ -201,6 +217,12 @@ class CapturedSteps:
     def reset(self, params: SamplingParams | None) -> None:
         self.params = params  # temperature and top-p are baked into the compiled steps
         self.steps: dict[int, Callable[[], None]] = {}
+        self.forget_graphs()
+
+    def forget_graphs(self) -> None:
+        """Drop the captured graphs (and their memory pool), keep the compiled steps: after the
+        cache is made again at the same shape, the next replay of each span recaptures it (a
+        warm-up and a capture, no compile: the steps' guards check shapes, not addresses)."""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool: Any = None
 
@@ -266,6 +288,12 @@ class StaticCacheEngine:
     def load_weights(self, policy: CausalLM) -> None:
         copy_sharded_weights(policy, self.model)
 
+    def free_cache(self) -> None:
+        """`rl.free_kv_cache`: give the KV cache's memory back until the next `generate`, which
+        makes it again at the same size and recaptures the steps' graphs (milliseconds)."""
+        self.net.free_cache()
+        self.steps.forget_graphs()
+
     def span(self, col: int) -> int:
         """Cache columns a step writing column `col` attends over: the first of `spans` fixed
         fractions of the cache (rounded up to `span_align` columns) that holds it. The fractions
@@ -295,8 +323,11 @@ class StaticCacheEngine:
         # rounded up so that prompt widths varying by step reuse the buffers and compiled spans
         # (a longer batch reallocates, and every span recompiles once for the new length)
         align = self.span_align
-        if net.allocate(b, -(-(width + new) // align) * align) or self.steps.params != params:
+        buffers = net.allocate(b, -(-(width + new) // align) * align)
+        if buffers == "new" or self.steps.params != params:
             self.steps.reset(params)
+        elif buffers == "remade":
+            self.steps.forget_graphs()
         ids, valid = ids.to(self.device), valid.to(self.device)
         pos = (valid.long().cumsum(-1) - 1).clamp(min=0)
         net.key_valid.zero_()

@@ -49,15 +49,26 @@ def _logprob_entropy(logits_CV: torch.Tensor, targets_C: torch.Tensor, temperatu
 
 
 def token_logprobs(
-    logits_NTV: torch.Tensor, targets_NT: torch.Tensor, temperature: float, chunk_tokens: int = 1024
+    logits_NTV: torch.Tensor,
+    targets_NT: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int = 1024,
+    kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) and the entropy under softmax(logits / temperature), in fp32.
 
     Works through `chunk_tokens` rows at a time so a full fp32 copy of the logits never
-    exists; with grad enabled each chunk is recomputed in backward instead of kept.
+    exists; with grad enabled each chunk is recomputed in backward instead of kept. With
+    `kernel` (`rl.logprob_kernel`), the Triton kernel of trainer/logprob_kernel.py does the same
+    in one read of the logits, and its backward overwrites the logits with their gradient.
     """
     n, t, v = logits_NTV.shape
     flat_logits, flat_targets = logits_NTV.reshape(n * t, v), targets_NT.reshape(n * t)
+    if kernel:
+        from trainer.logprob_kernel import logprob_entropy
+
+        logp, entropy = logprob_entropy(flat_logits, flat_targets, temperature)
+        return logp.view(n, t), entropy.view(n, t)
     logps, ents = [], []
     for start in range(0, n * t, chunk_tokens):
         args = (

@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -149,6 +150,7 @@ def main(config_path: str) -> None:
 
 
 def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
+    laps = [("start", time.perf_counter())]  # where start-up time goes, printed before step 1
     torch.manual_seed(cfg.trainer.seed)
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -163,12 +165,15 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
         )
     print(f"{ps.describe()}, pid {os.getpid()}", flush=True)
     check_shared_run_dir(cfg, ps)
+    laps.append(("process group", time.perf_counter()))
     task = None
     if not cfg.trainer.smoke_test:  # data first: a prompt too long for the model stops us here
         watchdog.phase(0, "load data")
         task = load_task(cfg, ps.local_rank, hf_config(cfg.model).max_position_embeddings)
+    laps.append(("data", time.perf_counter()))
     watchdog.phase(0, "build model")
     model = build_model(cfg.model, ps.get_mesh("fsdp"), device, seed=cfg.trainer.seed)
+    laps.append(("model", time.perf_counter()))
     if cfg.trainer.smoke_test:
         loss = smoke_test(model, ps, model.config.vocab_size)
         print(f"rank {rank}: sharded forward/backward ok, loss {loss:.4f}", flush=True)
@@ -176,6 +181,14 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
         from trainer.train import GRPOTrainer
 
         trainer = GRPOTrainer(cfg, ps, model, watchdog, task)
+        laps.append(("engine and optimizer", time.perf_counter()))
+        if ps.rank == 0:
+            parts = ", ".join(
+                f"{name} {t - laps[i][1]:.1f} s" for i, (name, t) in enumerate(laps[1:])
+            )
+            print(
+                f"ready after {laps[-1][1] - laps[0][1]:.1f} s in this process: {parts}", flush=True
+            )
         if cfg.parity_check:
             from trainer import parity
 

@@ -25,6 +25,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from launcher.counting import count_params
 from launcher.paths import local_model_dir
 from launcher.schema import ModelConfig
 
@@ -157,15 +158,28 @@ def shard_model(
     return model
 
 
-def full_state_dict(m: ModelConfig, config: PretrainedConfig, seed: int) -> dict[str, torch.Tensor]:
-    """The whole fp32 state dict on CPU: pretrained weights, or a seeded random init."""
+def full_state_dict(
+    m: ModelConfig, config: PretrainedConfig, seed: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The whole fp32 state dict: pretrained weights, or a seeded random init.
+
+    Made on `device` when it is a GPU with room for two fp32 copies of the model (the init then
+    takes seconds, not a minute of CPU time, and no fp32 copy passes through host memory), else
+    on CPU. A random init draws from that device's generator: the same seed gives the same
+    weights on every layout of one device type (not between CPU and GPU)."""
+    where = torch.device("cpu")
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        where = device if free > 2 * 4 * count_params(config).total else where
     if m.init == "pretrained":
         model = AutoModelForCausalLM.from_pretrained(
-            model_path(m), dtype=torch.float32, trust_remote_code=m.trust_remote_code
-        )
+            model_path(m), dtype=torch.float32, trust_remote_code=m.trust_remote_code,
+            device_map=str(where),
+        )  # fmt: skip
     else:
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with where:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model.state_dict()
 
 
@@ -191,7 +205,7 @@ def build_model(
     shard_model(model, mesh, mp_policy(m, device.type), m.reshard_after_forward)
     model.to_empty(device=device)
     reset_rotary_buffers(model, device)
-    state: dict[str, Any] = full_state_dict(m, config, seed) if dist.get_rank() == 0 else {}
+    state: dict[str, Any] = full_state_dict(m, config, seed, device) if dist.get_rank() == 0 else {}
     set_model_state_dict(
         model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )

@@ -69,6 +69,10 @@ class RolloutEngine(Protocol):
 
     def rows_per_call(self) -> int | None: ...
 
+    def free_cache(self) -> None:
+        """Give back memory the engine keeps between calls (the next `generate` takes it again)."""
+        ...
+
     def generate(
         self, rows: list[list[int]], params: SamplingParams, greedy: list[bool] | None = None
     ) -> Rollout:
@@ -133,6 +137,9 @@ class HFRolloutEngine:
 
     def rows_per_call(self) -> int | None:
         return None  # any batch: generate keeps no buffers
+
+    def free_cache(self) -> None:
+        pass  # generate's cache lives only inside the call
 
     @torch.no_grad()
     def generate(

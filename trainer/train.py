@@ -135,7 +135,13 @@ def lr_factor(o: OptimConfig, total_steps: int):
     return factor
 
 
-def sequence_logprobs(model: CausalLM, batch: Batch, temperature: float, chunk_tokens: int = 1024):
+def sequence_logprobs(
+    model: CausalLM,
+    batch: Batch,
+    temperature: float,
+    chunk_tokens: int = 1024,
+    kernel: bool = False,
+):
     """Log-probs and entropies of targets 0 .. L-2 of every row of `batch` (N x T each).
 
     Rows are right-padded, so under the causal mask no real token attends to padding: the
@@ -147,8 +153,15 @@ def sequence_logprobs(model: CausalLM, batch: Batch, temperature: float, chunk_t
     # the target of the last column does not exist: score a dummy one and drop it, so the logits
     # are never copied (a slice [:, :-1] would be, by the reshape inside token_logprobs)
     targets = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
-    logp, entropy = token_logprobs(logits, targets, temperature, chunk_tokens)
+    logp, entropy = token_logprobs(logits, targets, temperature, chunk_tokens, kernel)
     return logp[:, :-1], entropy[:, :-1]
+
+
+def use_logprob_kernel(cfg: Config, device: torch.device) -> bool:
+    """`rl.logprob_kernel=auto`: the Triton kernel on a GPU where Triton is installed."""
+    if cfg.rl.logprob_kernel != "auto":
+        return cfg.rl.logprob_kernel == "triton"
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def decode_attention(cfg: Config, device: torch.device) -> str:
@@ -201,6 +214,7 @@ class GRPOTrainer:
             self.rl.top_k,
         )
         self.engine = make_engine(cfg, model.config, device)
+        self.logprob_kernel = use_logprob_kernel(cfg, device)
         self.engine.load_weights(model)
         self.reference = None
         if self.rl.kl_coef > 0:
@@ -274,6 +288,8 @@ class GRPOTrainer:
         self.peaks = PhasePeaks(self.ps.device)
         batch, kept_groups = self.rollout(step, stats)
         self.peaks.mark("rollout")
+        if self.rl.free_kv_cache:  # the update and the optimizer step get its memory
+            self.engine.free_cache()
         lap()
         plan = self.micro_batches(batch, stats)
         if self.reference is not None:
@@ -385,7 +401,8 @@ class GRPOTrainer:
         extra = (sample_round,) if sample_round else ()
         torch.manual_seed(mixed_seed(self.cfg.trainer.seed, step, self.ps.dp_rank, *extra))
         rows = [self.prompt_ids[i] for i in indices for _ in range(g)]
-        rollout = self.engine.generate(rows, self.sampling)
+        # rl.rollout_batch: long responses decode in calls of fewer rows (a smaller KV cache)
+        rollout = self.generate_in_engine_batches(rows, size=rl.rollout_batch or len(rows))
         texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
         answers = [self.prompts[i].answer for i in indices for _ in range(g)]
         rewards_N = torch.tensor([score(t, a, self.rewards) for t, a in zip(texts, answers)])
@@ -412,7 +429,7 @@ class GRPOTrainer:
         rows = [self.eval_prompt_ids[i] for i in mine for _ in range(1 + k)]
         greedy = [j == 0 for _ in mine for j in range(1 + k)]
         torch.manual_seed(mixed_seed(self.cfg.trainer.seed, step, self.ps.dp_rank, -1))
-        responses = self.generate_in_engine_batches(rows, greedy)
+        responses = self.generate_in_engine_batches(rows, greedy).response_ids if rows else []
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         correct = REWARDS[TASK_CORRECTNESS[self.cfg.data.name]]
         sums = DPSums(self.ps.device)
@@ -436,20 +453,22 @@ class GRPOTrainer:
                 "time/eval_s": r["time/eval_s"]}  # fmt: skip
 
     def generate_in_engine_batches(
-        self, rows: list[list[int]], greedy: list[bool]
-    ) -> list[list[int]]:
-        """Responses for `rows`, run in batches of the size the engine's buffers and captured
-        steps already have (the static engine recompiles for any other), the last one padded."""
-        size = self.engine.rows_per_call() or max(len(rows), 1)
-        out: list[list[int]] = []
+        self, rows: list[list[int]], greedy: list[bool] | None = None, size: int | None = None
+    ) -> Rollout:
+        """Responses for `rows` in calls of `size` rows (default: the batch the engine's buffers
+        and captured steps already have, else all at once). Where the engine has fixed buffers
+        (the static engine recompiles for another row count), a short last call is padded."""
+        flags = greedy or [False] * len(rows)
+        size = size or self.engine.rows_per_call() or max(len(rows), 1)
+        parts: list[Rollout] = []
         for start in range(0, len(rows), size):
-            chunk, flags = rows[start : start + size], greedy[start : start + size]
+            chunk, chunk_flags = rows[start : start + size], flags[start : start + size]
             pad = size - len(chunk) if self.engine.rows_per_call() else 0
             result = self.engine.generate(
-                chunk + [chunk[0]] * pad, self.sampling, flags + [False] * pad
+                chunk + [chunk[0]] * pad, self.sampling, chunk_flags + [False] * pad
             )
-            out += result.response_ids[: len(chunk)]
-        return out
+            parts.append(result.select(list(range(len(chunk)))) if pad else result)
+        return sum(parts[1:], parts[0])
 
     def dp_sum(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long, device=self.ps.device)
@@ -480,7 +499,7 @@ class GRPOTrainer:
         for k, mb in enumerate(plan):  # the agreed count: every rank runs as many forwards
             self.phase(f"{name}, micro-batch {k + 1}/{len(plan)}")
             logp = sequence_logprobs(model, batch.rows(mb), self.rl.temperature,
-                                     self.rl.logprob_chunk_tokens)[0]  # fmt: skip
+                                     self.rl.logprob_chunk_tokens, self.logprob_kernel)[0]  # fmt: skip
             if not mb.empty:
                 out[mb.rows, : mb.width - 1] = logp
         return out
@@ -552,7 +571,7 @@ class GRPOTrainer:
             assert mbb.old_logp_NT is not None and mbb.weights_NT is not None
             assert mbb.loss_mask_NT is not None
             logp, entropy = sequence_logprobs(
-                self.model, mbb, rl.temperature, rl.logprob_chunk_tokens
+                self.model, mbb, rl.temperature, rl.logprob_chunk_tokens, self.logprob_kernel
             )
             if first:
                 mbb.old_logp_NT = logp.detach()

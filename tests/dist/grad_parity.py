@@ -38,7 +38,7 @@ def main(out_path: str, replicate_sizes: list[int], options: dict) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     m = ModelConfig(param_dtype="fp32", reduce_dtype="fp32", **options)
     config = hf_config(m)
-    init = full_state_dict(m, config, seed=0)
+    init = full_state_dict(m, config, seed=0, device=torch.device("cpu"))
     ids = rank_tokens(rank, config.vocab_size)
 
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

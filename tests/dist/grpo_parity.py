@@ -144,7 +144,7 @@ def main(run_dir: str, out_path: str, *args: str) -> None:
     results, needs = {}, {}
     for variant in chosen[0] if chosen else VARIANTS:
         cfg = config(run_dir, variant, world)
-        init = full_state_dict(cfg.model, hf_config(cfg.model), seed=0)
+        init = full_state_dict(cfg.model, hf_config(cfg.model), seed=0, device=torch.device("cpu"))
         batch, offsets = global_batch(hf_config(cfg.model).vocab_size, world)
         if cfg.rl.rollout_correction != "none":  # a sampler that is close to the learner, not equal
             noise = torch.empty_like(batch.sampling_logp_NT).uniform_(-1.2, 1.2, generator=torch.Generator().manual_seed(3))

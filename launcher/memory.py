@@ -205,6 +205,30 @@ def largest_tokens(cfg, arch, shard: int, world: int, device: str, capacity: flo
     return lo_k * TOKEN_STEP
 
 
+def advice(cfg, arch, shard: int, world: int, device: str, capacity: float) -> str:
+    """For a step that does not fit: the knob of its peak phase and a value that fits, if any."""
+    from dataclasses import replace
+
+    base = shape_of(cfg, shard, world, device)
+    phase = predict(arch, base).peak_phase
+    if phase == "rollout":
+        # calls of equal size (the trainer splits a rank's responses evenly over its calls)
+        sizes = sorted(
+            {-(-base.responses // calls) for calls in range(1, base.responses + 1)}, reverse=True
+        )
+        fits = [
+            k for k in sizes if predict(arch, replace(base, rollout_rows=k)).needs() <= capacity
+        ]
+        if fits:
+            return (f"the rollout's KV cache for {min(base.responses, base.rollout_rows or base.responses)} "
+                    f"responses per call is the peak: rl.rollout_batch={fits[0]} fits")  # fmt: skip
+    elif phase == "update":
+        tokens = largest_tokens(cfg, arch, shard, world, device, capacity)
+        if tokens:
+            return f"the update is the peak: rl.micro_batch_tokens={tokens} fits"
+    return "use a larger shard group (parallel.dp_shard_size, or parallel=auto)"
+
+
 def gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from launcher.counting import count_params
-from launcher.memory import predict, shape_of
+from launcher.memory import advice, predict, shape_of
 from launcher.paths import local_model_dir
 from launcher.schema import ArchConfig, Config
 from launcher.steptime import predict_step
@@ -123,6 +123,8 @@ def plan(cfg: Config) -> str:
     out.append(table(["what", *pred.phases], rows))
     verdict = (f"; this GPU: {capacity / 1e9:.1f} GB: {'fits' if pred.needs() <= capacity else 'does NOT fit'}"
                if capacity else "")  # fmt: skip
+    if capacity and pred.needs() > capacity:
+        verdict += f" ({advice(cfg, arch, s, world, device, capacity)})"
     out.append(
         f"needs {pred.needs() / 1e9:.1f} GB per GPU with allocator slack and CUDA/NCCL reserve{verdict}"
     )

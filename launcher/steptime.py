@@ -1,8 +1,9 @@
 """Predicted GRPO step time from the config and measured H200 ceilings (no torch).
 
-    rollout   max_new_tokens decode steps, each max(bytes / BW, FLOPs / peak) x DECODE_OVER_FLOOR:
-              bytes = the engine's weights + the KV cache's filled part (on average the prompt
-              and half the new tokens), FLOPs = 2 x matmul params x this rank's rows
+    rollout   max_new_tokens decode steps per engine call (one, or one per `rl.rollout_batch`
+              rows), each max(bytes / BW, FLOPs / peak) x DECODE_OVER_FLOOR: bytes = the
+              engine's weights + the KV cache's filled part (on average the prompt and half the
+              new tokens), FLOPs = 2 x matmul params x the call's rows
     update    hardware FLOPs (6 x matmul params x tokens + causal attention; x 4/3 with
               activation checkpointing) / (peak x TRAIN_MATH_EFFICIENCY)
               + MICRO_BATCH_OVERHEAD_S per micro-batch (FSDP unit hooks, the chunked log-softmax,
@@ -39,10 +40,15 @@ def predict_step(cfg, arch, s: Shape, world: int) -> dict[str, float]:
     c = s.compute_bytes
     rows, prompt, new = s.responses, s.prompt_tokens, s.new_tokens
     # rollout: the KV cache's filled part averages prompt + new / 2 columns
-    kv_per_col = arch.num_hidden_layers * 2 * rows * arch.num_key_value_heads * arch.head_dim * c
+    call_rows = min(rows, s.rollout_rows or rows)
+    calls = -(-rows // call_rows)
+    kv_per_col = (
+        arch.num_hidden_layers * 2 * call_rows * arch.num_key_value_heads * arch.head_dim * c
+    )
     step_bytes = c * counts.total + kv_per_col * (prompt + new / 2)
-    step_flops = 2 * counts.matmul * rows
-    rollout = new * max(step_bytes / BANDWIDTH_BPS, step_flops / BF16_FLOPS) * DECODE_OVER_FLOOR
+    step_flops = 2 * counts.matmul * call_rows
+    decode_step = max(step_bytes / BANDWIDTH_BPS, step_flops / BF16_FLOPS) * DECODE_OVER_FLOOR
+    rollout = calls * new * decode_step
     # update: every row at full length (responses that stop early make it shorter)
     length = prompt + new
     tokens = rows * length

@@ -295,9 +295,10 @@ def test_a_second_signal_ends_a_hung_run_within_10_s(tmp_path):
 
 def test_variable_length_responses_with_a_small_token_budget_finish(tmp_path):
     """Random-init responses end at EOS anywhere in 48 tokens, so every rank packs its rows into
-    a different number of micro-batches; they must agree on one count (before: a hang)."""
+    a different number of micro-batches; they must agree on one count (before: a hang). Each
+    rank's 64 responses decode in two engine calls of 32 (rl.rollout_batch)."""
     run_dir = tmp_path / "run"
-    out = launch("device=cpu", "rl.micro_batch_tokens=100", "rl.max_new_tokens=48",
+    out = launch("device=cpu", "rl.micro_batch_tokens=100", "rl.max_new_tokens=48", "rl.rollout_batch=40",
                  "trainer.max_steps=3", "logger=none", "trainer.hang_timeout_s=60",
                  "trainer.save_final=false", "trainer.export_hf=false", f"hydra.run.dir={run_dir}")  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

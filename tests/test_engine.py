@@ -159,3 +159,36 @@ def test_freed_cache_is_made_again_with_the_same_compiled_step():
     )
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled, "recompiled"
     assert first.response_ids  # the compiled step ran
+
+
+def test_engine_calls_are_cut_evenly_and_padded_to_the_engine_batch():
+    """rl.rollout_batch / evaluation: rows go to the engine in calls of `size`; where the engine
+    has fixed buffers a short last call is padded (and the padding dropped from the result)."""
+    from types import SimpleNamespace
+
+    from trainer.rollout import Rollout
+    from trainer.train import GRPOTrainer
+
+    calls = []
+
+    class Engine:
+        def __init__(self, fixed):
+            self.fixed = fixed
+
+        def rows_per_call(self):
+            return self.fixed
+
+        def generate(self, rows, params, greedy=None):
+            calls.append((len(rows), list(greedy or [])))
+            return Rollout(rows, [[r[0] + 100] for r in rows], [torch.zeros(1)] * len(rows),
+                           [False] * len(rows))  # fmt: skip
+
+    rows = [[i] for i in range(7)]
+    me = SimpleNamespace(engine=Engine(None), sampling=None)
+    out = GRPOTrainer.generate_in_engine_batches(me, rows, size=4)  # type: ignore[arg-type]
+    assert [c[0] for c in calls] == [4, 3] and out.response_ids == [[i + 100] for i in range(7)]
+    calls.clear()
+    me.engine = Engine(4)  # the static engine, buffers sized for 4 rows: pad, then drop
+    out = GRPOTrainer.generate_in_engine_batches(me, rows, [True] * 7)  # type: ignore[arg-type]
+    assert [c[0] for c in calls] == [4, 4] and calls[1][1] == [True] * 3 + [False]
+    assert out.response_ids == [[i + 100] for i in range(7)] and len(out.truncated) == 7

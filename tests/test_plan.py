@@ -242,3 +242,15 @@ def test_predicted_step_time_within_25_percent_of_the_h200():
     t = predict_step(cfg, cfg.model.arch, shape_of(cfg, 8, 16, "cuda"), 16)
     n = count_params(cfg.model.arch).total
     assert abs(t["replica all-reduce"] - 2 * 0.5 * 4 * n / 8 / 12.5e9) < 1e-6
+
+
+def test_a_step_that_does_not_fit_names_the_knob_and_a_value_that_fits(tmp_path):
+    """The issue's long-response shape (32 x 8, prompt 256, 2048 new) on one 141 GB GPU: the
+    rollout's KV cache for 256 responses at once is the peak; two calls of 128 fit."""
+    shape = ("parallel=single", "model=qwen3_4b", "rl.prompts_per_step=32", "rl.samples_per_prompt=8",
+             "rl.max_new_tokens=2048", "data.num_digits=255", "parallel.gpu_memory_gb=141",
+             "dry_run=true", "device=cuda", f"hydra.run.dir={tmp_path / 'run'}")  # fmt: skip
+    out = launch(*shape)
+    assert "does NOT fit (the rollout's KV cache for 256 responses per call is the peak: " \
+           "rl.rollout_batch=128 fits)" in out.stdout  # fmt: skip
+    assert "GB: fits" in launch(*shape, "rl.rollout_batch=128").stdout

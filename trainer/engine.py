@@ -45,10 +45,9 @@ from trainer.rollout import (
 )
 
 
-def rms_norm(x: torch.Tensor, norm: CausalLM) -> torch.Tensor:
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6))
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
-    return norm.weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return weight * (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -151,64 +150,79 @@ class FusedQwen3:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]  # (B, 1, T, d)
 
+    def layer_weights(self, i: int) -> tuple:
+        """Layer i's tensors, in `decoder_layer`'s order (the engine's own parameters, which the
+        weight refresh writes in place)."""
+        layer = self.model.model.layers[i]
+        a, mlp = layer.self_attn, layer.mlp
+        return (*self.qkv[i], a.q_norm.weight, a.k_norm.weight, a.o_proj.weight,
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                self.gate_up[i][0], mlp.down_proj.weight)  # fmt: skip
+
+    def decoder_layer(self, x, cos, sin, cols_T, mask_B1TK, k_cache, v_cache, qkv_w, qkv_b,
+                      q_norm, k_norm, o_w, norm1, norm2, gate_up_w, down_w) -> torch.Tensor:  # fmt: skip
+        """One decoder layer on tensors alone (no layer index), so that one compiled function
+        serves all L layers: a decode step compiles one layer, not L of them."""
+        cfg, eps = self.config, self.config.rms_norm_eps
+        b, t, _ = x.shape
+        hd, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        h = rms_norm(x, norm1, eps)
+        q, k, v = F.linear(h, qkv_w, qkv_b).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        q = rms_norm(q.view(b, t, nq, hd), q_norm, eps).transpose(1, 2)
+        k = rms_norm(k.view(b, t, nkv, hd), k_norm, eps).transpose(1, 2)
+        v = v.view(b, t, nkv, hd).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        k_cache.index_copy_(2, cols_T, k)
+        v_cache.index_copy_(2, cols_T, v)
+        # grouped-query attention without repeating K/V: the G query heads that share a KV head
+        # become G x T query rows of it, so each K/V byte is read once
+        g = nq // nkv
+        if t == 1 and self.attention == "triton":  # reads columns 0 .. col, whatever the span
+            o = triton_attention.decode_attention(
+                q.reshape(b, nkv, g, hd), k_cache, v_cache, self.key_valid, cols_T
+            ).view(b, nq, t, hd)
+        else:
+            span = mask_B1TK.shape[-1]  # attend over the first `span` cache columns
+            o = F.scaled_dot_product_attention(
+                q.reshape(b, nkv, g * t, hd), k_cache[:, :, :span], v_cache[:, :, :span],
+                attn_mask=mask_B1TK.repeat(1, 1, g, 1) if g > 1 else mask_B1TK,
+            ).view(b, nq, t, hd)  # fmt: skip
+        x = x + F.linear(o.transpose(1, 2).reshape(b, t, nq * hd), o_w)
+        gate, up = F.linear(rms_norm(x, norm2, eps), gate_up_w).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, down_w)
+
     def forward(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, cols_T: torch.Tensor,
-                mask_B1TK: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                mask_B1TK: torch.Tensor, layer_fn: Callable | None = None) -> torch.Tensor:  # fmt: skip
         """Logits of the last position, writing K/V of positions `cols_T` into the cache.
 
-        `mask_B1TK` says which of the first K cache columns each query sees; only those are read."""
-        m, cfg = self.model.model, self.config
-        b, t = ids_BT.shape
-        hd, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        span = mask_B1TK.shape[-1]  # attend over the first `span` cache columns
+        `mask_B1TK` says which of the first K cache columns each query sees; only those are read.
+        `layer_fn`: `decoder_layer`, or its compiled form (the decode step's)."""
+        m, layer_fn = self.model.model, layer_fn or self.decoder_layer
         cos, sin = self.rope(pos_BT)
         x = m.embed_tokens(ids_BT)
-        for i, layer in enumerate(m.layers):
-            a = layer.self_attn
-            h = rms_norm(x, layer.input_layernorm)
-            q, k, v = F.linear(h, *self.qkv[i]).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
-            q = rms_norm(q.view(b, t, nq, hd), a.q_norm).transpose(1, 2)
-            k = rms_norm(k.view(b, t, nkv, hd), a.k_norm).transpose(1, 2)
-            v = v.view(b, t, nkv, hd).transpose(1, 2)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            self.k_cache[i].index_copy_(2, cols_T, k)
-            self.v_cache[i].index_copy_(2, cols_T, v)
-            # grouped-query attention without repeating K/V: the G query heads that share a KV head
-            # become G x T query rows of it, so each K/V byte is read once
-            g = nq // nkv
-            if t == 1 and self.attention == "triton":  # reads columns 0 .. col, whatever the span
-                o = triton_attention.decode_attention(
-                    q.reshape(b, nkv, g, hd),
-                    self.k_cache[i],
-                    self.v_cache[i],
-                    self.key_valid,
-                    cols_T,
-                ).view(b, nq, t, hd)
-            else:
-                o = F.scaled_dot_product_attention(
-                    q.reshape(b, nkv, g * t, hd), self.k_cache[i][:, :, :span], self.v_cache[i][:, :, :span],
-                    attn_mask=mask_B1TK.repeat(1, 1, g, 1) if g > 1 else mask_B1TK,
-                ).view(b, nq, t, hd)  # fmt: skip
-            x = x + a.o_proj(o.transpose(1, 2).reshape(b, t, nq * hd))
-            h = rms_norm(x, layer.post_attention_layernorm)
-            gate, up = F.linear(h, *self.gate_up[i]).chunk(2, dim=-1)
-            x = x + layer.mlp.down_proj(F.silu(gate) * up)
-        return self.model.lm_head(rms_norm(x[:, -1], m.norm))
+        for i in range(len(m.layers)):
+            x = layer_fn(x, cos, sin, cols_T, mask_B1TK, self.k_cache[i], self.v_cache[i],
+                         *self.layer_weights(i))  # fmt: skip
+        return self.model.lm_head(rms_norm(x[:, -1], m.norm.weight, self.config.rms_norm_eps))
 
-    def decode_step(self, span: int, params: SamplingParams) -> None:
-        """Read self.tok at self.pos into cache column self.col; leave the next token and its log-prob."""
+    def decode_step(self, span: int, params: SamplingParams, layer_fn: Callable | None = None,
+                    head_fn: Callable | None = None) -> None:  # fmt: skip
+        """Read self.tok at self.pos into cache column self.col; leave the next token and its
+        log-prob. `layer_fn` / `head_fn`: compiled `decoder_layer` / `sample`, or None (eager)."""
         self.key_valid.index_fill_(1, self.col, True)
         mask = self.key_valid[:, None, None, :span]
-        logits = self.forward(self.tok[:, None], self.pos[:, None], self.col, mask)
-        token, logp = sample(logits, params, self.greedy)
+        logits = self.forward(self.tok[:, None], self.pos[:, None], self.col, mask, layer_fn)
+        token, logp = (head_fn or sample)(logits, params, self.greedy)
         self.tok.copy_(token)
         self.logp.copy_(logp)
         self.pos.add_(1)
 
 
 class CapturedSteps:
-    """Decode steps of a `FusedQwen3`, one per attention span: compiled once, captured once as a
-    CUDA graph for the current buffers (all graphs share one memory pool, and run one at a time),
-    replayed every token. `reset` forgets them when the buffers or the sampling change."""
+    """Decode steps of a `FusedQwen3`, one per attention span: their layer and sampling compiled
+    (`compiled`), each step captured once as a CUDA graph for the current buffers (all graphs
+    share one memory pool, and run one at a time), replayed every token. `reset` forgets them
+    when the buffers or the sampling change."""
 
     def __init__(self, net: FusedQwen3, compile: bool, cuda_graph: bool):
         self.net, self.compile, self.cuda_graph = net, compile, cuda_graph
@@ -217,7 +231,20 @@ class CapturedSteps:
     def reset(self, params: SamplingParams | None) -> None:
         self.params = params  # temperature and top-p are baked into the compiled steps
         self.steps: dict[int, Callable[[], None]] = {}
+        self.layer_fn: Callable | None = None
+        self.head_fn: Callable | None = None
         self.forget_graphs()
+
+    def compiled(self) -> tuple[Callable | None, Callable | None]:
+        """The decode step's two compiled parts: one decoder layer (called L times with each
+        layer's tensors: one compile for all layers, once per span's width) and the lm_head's
+        sampling. The CUDA graph then captures all L layers' kernels; what compiling the whole
+        step would add is fusion across layer boundaries, one elementwise pass per layer, for L
+        times the compile time (about a minute for Qwen3-4B)."""
+        if self.compile and self.layer_fn is None:
+            self.layer_fn = torch.compile(self.net.decoder_layer, fullgraph=True, dynamic=False)
+            self.head_fn = torch.compile(sample, fullgraph=True, dynamic=False)
+        return self.layer_fn, self.head_fn
 
     def forget_graphs(self) -> None:
         """Drop the captured graphs (and their memory pool), keep the compiled steps: after the
@@ -228,16 +255,15 @@ class CapturedSteps:
 
     def replay(self, span: int) -> None:
         """One decode step over `span` cache columns."""
-        if span not in self.steps:  # each span is its own compiled graph (a recompile per span)
+        if span not in self.steps:
             params = self.params
             assert params is not None, "reset(params) before the first replay"
+            layer_fn, head_fn = self.compiled()
 
             def step() -> None:
-                self.net.decode_step(span, params)
+                self.net.decode_step(span, params, layer_fn, head_fn)
 
-            self.steps[span] = (
-                torch.compile(step, fullgraph=True, dynamic=False) if self.compile else step
-            )
+            self.steps[span] = step
         if not self.cuda_graph:
             self.steps[span]()
             return

@@ -135,14 +135,16 @@ def apply_options(model: CausalLM, m: ModelConfig) -> None:
     """`model.activation_checkpointing` and `model.compile` per decoder layer, before sharding.
 
     `Module.compile` compiles each layer's call in place (names unchanged; dynamo leaves
-    FSDP's hooks out of the graph). Widths vary per micro-batch, so after a second width the
-    layer is recompiled once for dynamic shapes.
+    FSDP's hooks out of the graph). Rows and widths vary per micro-batch, so the layer is
+    compiled for dynamic shapes from the start (parameters stay static, so only the token
+    dimensions are symbolic): one compile, not a static one and a recompile at the first
+    micro-batch of another shape.
     """
     for layer in decoder_layers(model):
         if m.activation_checkpointing:
             checkpointed(layer)
         if m.compile:
-            layer.compile()
+            layer.compile(dynamic=True)
 
 
 def shard_model(

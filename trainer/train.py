@@ -401,8 +401,10 @@ class GRPOTrainer:
         extra = (sample_round,) if sample_round else ()
         torch.manual_seed(mixed_seed(self.cfg.trainer.seed, step, self.ps.dp_rank, *extra))
         rows = [self.prompt_ids[i] for i in indices for _ in range(g)]
-        # rl.rollout_batch: long responses decode in calls of fewer rows (a smaller KV cache)
-        rollout = self.generate_in_engine_batches(rows, size=rl.rollout_batch or len(rows))
+        # rl.rollout_batch: long responses decode in calls of fewer rows (a smaller KV cache),
+        # as many calls as that takes, of equal size
+        calls = -(-len(rows) // (rl.rollout_batch or len(rows)))
+        rollout = self.generate_in_engine_batches(rows, size=-(-len(rows) // calls))
         texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
         answers = [self.prompts[i].answer for i in indices for _ in range(g)]
         rewards_N = torch.tensor([score(t, a, self.rewards) for t, a in zip(texts, answers)])

@@ -23,7 +23,8 @@ L the layers. Three phases; the step's peak is the largest:
                   layers, plus one layer recomputed and its backward (2 x A per token); without,
                   A per token for every layer, where A = 22h + 20 Hq d + 20 Hkv d + 8I bytes
                   (bf16, eager: RMSNorm's fp32 copies, q/k norm and RoPE, SwiGLU's four I-wide
-                  tensors)
+                  tensors); a compiled layer (model.compile) keeps COMPILED_ACTIVATIONS of that,
+                  its partitioner recomputing the elementwise work in backward
                 + log-probs: the model's logits T x V in c and their gradient, and the chunked
                   fp32 log-softmax working set 4 x 4 C V (z, softmax, their product, the grad);
                   with the Triton kernel (rl.logprob_kernel) the logits alone (the gradient is
@@ -46,6 +47,9 @@ from launcher.counting import count_params
 CACHE_ALIGN = (
     64  # the static engine's cache lengths and spans are multiples of this (it reads it here)
 )
+# share of the eager count A that a compiled, uncheckpointed layer keeps: fitted on two H200 runs
+# (0.453 at 8192 tokens, 0.473 at 2048; docs/benchmarks.md)
+COMPILED_ACTIVATIONS = 0.46
 RESERVE_BYTES = 2.0e9  # CUDA context, NCCL buffers, cuBLAS workspaces: outside the allocator
 SLACK = 0.05  # the caching allocator's free blocks beside the allocated peak
 
@@ -65,6 +69,7 @@ class Shape:
     reference: bool = False
     chunk_tokens: int = 1024
     gpu: bool = True  # the static engine keeps its KV cache; CUDA context and NCCL reserve
+    compiled: bool = False  # model.compile
     free_kv: bool = False  # rl.free_kv_cache: the KV cache is gone during update and optimizer
     logprob_kernel: bool = False  # rl.logprob_kernel resolved to triton
     rollout_rows: int = 0  # rl.rollout_batch (0: every response in one call)
@@ -122,7 +127,7 @@ def predict(a, s: Shape) -> Prediction:
     if s.checkpointing:
         activations = layers * 2 * h * t + 2 * act * t
     else:
-        activations = layers * act * t
+        activations = layers * act * t * (COMPILED_ACTIVATIONS if s.compiled else 1.0)
     update = {**always, **kept_kv, "gradients (fp32, sharded)": 4 * n / s.shard,
               "root unit gathered + its gradient": 2 * c * root,
               "decoder layers gathered, one layer's gradients": (gathered_layers * c + c + 4) * counts.per_layer,
@@ -163,7 +168,7 @@ def shape_of(cfg, shard: int, world: int, device: str, tokens: int | None = None
                  compute_bytes=compute, checkpointing=m.activation_checkpointing,
                  reshard_after_forward=m.reshard_after_forward, reference=r.kl_coef > 0,
                  chunk_tokens=r.logprob_chunk_tokens, gpu=device == "cuda",
-                 free_kv=r.free_kv_cache, rollout_rows=r.rollout_batch,
+                 free_kv=r.free_kv_cache, rollout_rows=r.rollout_batch, compiled=m.compile,
                  logprob_kernel=r.logprob_kernel == "triton" or (r.logprob_kernel == "auto" and device == "cuda"))  # fmt: skip
 
 

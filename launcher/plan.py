@@ -133,7 +133,8 @@ def plan(cfg: Config) -> str:
         parts = ", ".join(f"{k} {v:.2f} s" for k, v in t.items() if k != "step")
         out += ["", f"predicted step time on H200s (launcher/steptime.py, every response at full "
                 f"length): {t['step']:.1f} s = {parts}"]  # fmt: skip
-    ag = 2 * (s - 1) / s * n * compute
+    gathers = 2 if cfg.model.reshard_after_forward else 1  # backward re-gathers unless kept
+    ag = gathers * (s - 1) / s * n * compute
     rs = (s - 1) / s * n * reduce
     ar = 2 * (r - 1) / r * (n / s) * reduce if r > 1 else 0.0
     sync = (s - 1) / s * n * compute
@@ -152,7 +153,9 @@ def plan(cfg: Config) -> str:
     micro = -(-local_responses // per_micro) if local_responses else 1
     traffic = [
         [
-            "all-gather params (fwd + bwd)",
+            "all-gather params (fwd + bwd)"
+            if gathers == 2
+            else "all-gather params (fwd; kept for bwd)",
             f"shard group ({s})",
             fmt_bytes(ag),
             fmt_bytes(ag * micro),

@@ -61,7 +61,8 @@ def predict_step(cfg, arch, s: Shape, world: int) -> dict[str, float]:
     compute = hardware * r.updates_per_step / (BF16_FLOPS * TRAIN_MATH_EFFICIENCY)
     update = compute + micro * MICRO_BATCH_OVERHEAD_S
     shard = s.shard
-    shard_bytes = micro * ((shard - 1) / shard) * counts.total * (2 * c + 4)
+    gathers = 2 if m.reshard_after_forward else 1  # forward, and again in backward
+    shard_bytes = micro * ((shard - 1) / shard) * counts.total * (gathers * c + 4)
     exposed_shard = max(0.0, shard_bytes / NVLINK_BPS - compute)
     replicas = world // shard
     link = p.link_gbps * 1e9 / 8 if p.nnodes > 1 else NVLINK_BPS

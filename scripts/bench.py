@@ -150,7 +150,9 @@ def profile_decode(engine, prompts, params, device, path: Path) -> None:
     path.write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30))
 
 
-def train_bench(cfg, device, ceilings, micro: int, seq: int) -> dict:
+def train_bench(
+    cfg, device, ceilings, micro: int, seq: int, profile_to: Path | None = None
+) -> dict:
     """FSDP2 on one rank (world of 1), the trainer's log-prob path, AdamW."""
     import torch.distributed as dist
 
@@ -181,6 +183,18 @@ def train_bench(cfg, device, ceilings, micro: int, seq: int) -> dict:
 
     peak_memory_gb(device)
     t = timed(step, device, repeat=5)
+    if profile_to is not None:  # after timing: kernels by GPU time, and how busy the GPU was
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall = time.perf_counter()
+            step()
+            sync(device)
+            wall = time.perf_counter() - wall
+        events = prof.key_averages()
+        busy = sum(e.self_device_time_total for e in events) / 1e6
+        table = events.table(sort_by="self_device_time_total", row_limit=40)
+        profile_to.write_text(f"one step: wall {wall:.3f} s, GPU kernels {busy:.3f} s\n{table}")
     flops = train_flops(config, micro * seq, micro * seq**2)
     mem = peak_memory_gb(device)
     dist.destroy_process_group()
@@ -313,9 +327,7 @@ def main() -> None:
         help="config overrides for one (b) run (e.g. model.compile=false); repeat to compare; "
         "default: one run with the model preset's settings",
     )
-    ap.add_argument(
-        "--profile", action="store_true", help="(a): write a kernel-time table per batch"
-    )
+    ap.add_argument("--profile", action="store_true", help="(a) and (b): write kernel-time tables")
     ap.add_argument("--grpo-shape", default="64,8,128,256", metavar="P,G,PROMPT,NEW",
                     help="(c): prompts x samples, prompt tokens, new tokens (GPU)")  # fmt: skip
     args = ap.parse_args()
@@ -358,7 +370,13 @@ def main() -> None:
     for variant in [] if "train" in skip else args.train or [""]:
         variant_cfg = preset(name, tuple(variant.split()))
         try:
-            t = train_bench(variant_cfg, device, ceilings, *((8, 1024) if gpu else (2, 32)))
+            t = train_bench(
+                variant_cfg,
+                device,
+                ceilings,
+                *((8, 1024) if gpu else (2, 32)),
+                out / f"profile_train_{len(r['train'])}.txt" if args.profile else None,
+            )
         except torch.OutOfMemoryError as e:
             if not args.train:
                 raise

@@ -175,7 +175,9 @@ def train_bench(
     kernel = use_logprob_kernel(cfg, device)
 
     def step():
-        logits = model(input_ids=ids).logits
+        # use_cache=False as the trainer: with a cache, transformers passes each layer's index
+        # into the compiled layer, which then recompiles per layer and runs eager past the limit
+        logits = model(input_ids=ids, use_cache=False).logits
         logp, _ = token_logprobs(logits, targets, 1.0, cfg.rl.logprob_chunk_tokens, kernel)
         (-logp.mean()).backward()
         opt.step()

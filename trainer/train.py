@@ -10,6 +10,7 @@ extra forward pass is spent on them).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import signal
@@ -85,7 +86,8 @@ class Batch:
             elif mb.empty:
                 out[name] = t.new_zeros(padding.get(suffix, (1,)))
             else:
-                out[name] = t[mb.rows, : widths[suffix]] if suffix in widths else t[mb.rows]
+                rows = mb.rows.to(t.device)  # a no-op: the plan's indices live on the device
+                out[name] = t[rows, : widths[suffix]] if suffix in widths else t[rows]
         return Batch(**out)
 
 
@@ -488,6 +490,9 @@ class GRPOTrainer:
         needed = micro_batches.local_count(lengths, rl.micro_batch_responses, tokens)
         count = micro_batches.agreed_count(needed, self.dp_group, self.ps.device)
         plan = micro_batches.split(lengths, count, tokens)
+        # row indices on the device, copied once here: a host index into device tensors would
+        # copy it, and wait for the GPU to drain, at every micro-batch
+        plan = [dataclasses.replace(mb, rows=mb.rows.to(self.ps.device)) for mb in plan]
         if stats is not None:
             stats.plan(count, needed, sum(mb.empty for mb in plan))
         return plan
@@ -565,10 +570,16 @@ class GRPOTrainer:
         """
         rl = self.rl
         assert batch.old_logp_NT is not None, "prepare_update(batch) first"
+        keep_gathered = not self.cfg.model.reshard_after_forward
         for k, mb in enumerate(plan):
             self.phase(f"{self.update_name}, micro-batch {k + 1}/{len(plan)}")
+            last = k == len(plan) - 1  # the agreed count: the same micro-batch is last everywhere
             if self.ps.dp_replicate_size > 1:  # all-reduce across replicas once, after the last
-                self.model.set_requires_all_reduce(k == len(plan) - 1)
+                self.model.set_requires_all_reduce(last)
+            if keep_gathered:  # gathered from forward to backward already: keep them gathered
+                # to the next micro-batch too (no weight changes before the optimizer step), so
+                # each layer is all-gathered once per update, not once per micro-batch
+                self.model.set_reshard_after_backward(last)
             mbb = batch.rows(mb)
             assert mbb.old_logp_NT is not None and mbb.weights_NT is not None
             assert mbb.loss_mask_NT is not None

@@ -39,15 +39,16 @@ from trainer.train import GRPOTrainer, collate
 
 RTOL, ATOL = 2e-5, 2e-6
 MAX_NEW = 16
-VARIANTS = {  # name -> rl overrides
+VARIANTS = {  # name -> rl overrides (and model overrides under "model")
     "token_mean": {"loss_agg": "token_mean"},
     "seq_mean_token_mean": {"loss_agg": "seq_mean_token_mean"},
     "seq_mean_token_sum_norm": {"loss_agg": "seq_mean_token_sum_norm"},
     "mis_token+mask_truncated": {"loss_agg": "token_mean", "rollout_correction": "mis",
                                  "rollout_is_level": "token", "mask_truncated": True},
+    # layers kept gathered from forward to backward and across micro-batches (the qwen3_4b preset)
     "gspo+tis_sequence": {"loss_agg": "seq_mean_token_mean", "ratio_level": "sequence",
                           "clip_low": 3e-4, "clip_high": 4e-4, "rollout_correction": "tis",
-                          "rollout_is_level": "sequence"},
+                          "rollout_is_level": "sequence", "model": {"reshard_after_forward": False}},
 }  # fmt: skip
 
 
@@ -128,10 +129,10 @@ def ratio(a, b) -> float:
 def config(run_dir: str, variant: str, world: int, micro_tokens: int = 0) -> schema.Config:
     return schema.load({
         "parallel": {}, "data": {}, "logger": {"backend": "none"}, "run_dir": run_dir, "device": "cpu",
-        "model": {"param_dtype": "fp32"},
+        "model": {"param_dtype": "fp32", **VARIANTS[variant].get("model", {})},
         "rl": {"kl_coef": 0.05, "entropy_coef": 0.01, "micro_batch_responses": 2,
                "micro_batch_tokens": micro_tokens, "max_new_tokens": MAX_NEW, "prompts_per_step": world,
-               "samples_per_prompt": 2, **VARIANTS[variant]},
+               "samples_per_prompt": 2, **{k: v for k, v in VARIANTS[variant].items() if k != "model"}},
     })  # fmt: skip
 
 

@@ -1,14 +1,15 @@
 """Predicted GRPO step time from the config and measured H200 ceilings (no torch).
 
-    rollout   max_new_tokens decode steps per engine call (one, or one per `rl.rollout_batch`
-              rows), each max(bytes / BW, FLOPs / peak) x DECODE_OVER_FLOOR: bytes = the
-              engine's weights + the KV cache's filled part (on average the prompt and half the
-              new tokens), FLOPs = 2 x matmul params x the call's rows
+    rollout   per engine call (one, or one per `rl.rollout_batch` rows): a prefill of the
+              prompts at the matmul peak x PREFILL_OVER_FLOOR, then max_new_tokens decode steps,
+              each the sum of its kernels' floors x DECODE_OVER_FLOOR: the matmuls (the larger of
+              reading the engine's weights and their FLOPs, 2 x matmul params x the call's rows)
+              and the attention's read of the KV cache's filled part (on average the prompt and
+              half the new tokens)
     update    hardware FLOPs (6 x matmul params x tokens + causal attention; x 4/3 with
               activation checkpointing) / (peak x TRAIN_MATH_EFFICIENCY)
-              + MICRO_BATCH_OVERHEAD_S per micro-batch (FSDP unit hooks, the chunked log-softmax,
-              launches), both fitted on two H200 runs and checked on two others
-              (docs/benchmarks.md)
+              + MICRO_BATCH_OVERHEAD_S per micro-batch (FSDP's casts and copies of the weights
+              and gradients, the loss, launches)
     shard     all-gathers (forward and backward) and the reduce-scatter per micro-batch inside
               a shard group over NVLink (NVLINK_BPS); FSDP overlaps them with compute, so only
               what exceeds the update's compute is counted
@@ -28,9 +29,13 @@ from launcher.memory import Shape
 
 BANDWIDTH_BPS = 4.08e12
 BF16_FLOPS = 759e12
-DECODE_OVER_FLOOR = 3.3  # the preset's decode at 512 rows: 22 ms per step against 6.7 ms
-TRAIN_MATH_EFFICIENCY = 0.8375  # share of the measured peak the matmuls reach, fitted
-MICRO_BATCH_OVERHEAD_S = 0.0885  # seconds per forward/backward pass beyond its FLOPs, fitted
+# Fitted on H200 runs of 2026-12-04 (docs/benchmarks.md, "Issue 18"): the decode and prefill
+# factors on the preset's rollout (512 rows, 256 new) and the long-response one (2 x 128 rows,
+# 2048 new); the update's two on three updates (checkpointed or not, 8192 or 16384 tokens).
+DECODE_OVER_FLOOR = 1.756
+PREFILL_OVER_FLOOR = 1.585
+TRAIN_MATH_EFFICIENCY = 0.98  # share of the measured peak the update's matmuls reach
+MICRO_BATCH_OVERHEAD_S = 0.083  # seconds per forward/backward pass beyond its FLOPs
 NVLINK_BPS = 370e9
 
 
@@ -45,15 +50,17 @@ def predict_step(cfg, arch, s: Shape, world: int) -> dict[str, float]:
     kv_per_col = (
         arch.num_hidden_layers * 2 * call_rows * arch.num_key_value_heads * arch.head_dim * c
     )
-    step_bytes = c * counts.total + kv_per_col * (prompt + new / 2)
-    step_flops = 2 * counts.matmul * call_rows
-    decode_step = max(step_bytes / BANDWIDTH_BPS, step_flops / BF16_FLOPS) * DECODE_OVER_FLOOR
-    rollout = calls * new * decode_step
+    matmuls = max(c * counts.total / BANDWIDTH_BPS, 2 * counts.matmul * call_rows / BF16_FLOPS)
+    attention = kv_per_col * (prompt + new / 2) / BANDWIDTH_BPS
+    prefill = 2 * counts.matmul * call_rows * prompt / BF16_FLOPS
+    rollout = calls * (
+        new * (matmuls + attention) * DECODE_OVER_FLOOR + prefill * PREFILL_OVER_FLOOR
+    )
     # update: every row at full length (responses that stop early make it shorter)
     length = prompt + new
     tokens = rows * length
-    attention = 6 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim
-    flops = 6 * counts.matmul * tokens + attention * rows * length**2
+    causal = 6 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_dim
+    flops = 6 * counts.matmul * tokens + causal * rows * length**2
     hardware = flops * (4 / 3 if m.activation_checkpointing else 1)
     budget = r.micro_batch_tokens if isinstance(r.micro_batch_tokens, int) else 0
     rows_per_micro = max(1, budget // length) if budget > 0 else r.micro_batch_responses

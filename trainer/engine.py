@@ -7,17 +7,18 @@ keeps that the only work, in four pieces, one job each:
   weights (the same tensors the trainer refreshes), with q/k/v and gate/up each one matmul: the
   modules' own parameters become row views of one fused weight, so the refresh (which copies
   into those parameters) fills the fused weight with no extra memory or copy. It owns the cache,
-  allocated once at its full size (batch x (prompt + max_new_tokens), rounded up to 64).
+  allocated at its full size (batch x (prompt + max_new_tokens), rounded up to 64), which
+  `free_cache` gives back between rollouts (the next call makes it again at the same shape).
 - `sample`: temperature / top-k / top-p sampling (or greedy, per row) and the sampled token's
   log-prob under the distribution it was drawn from, one pass.
-- `CapturedSteps`: each decode step (all layers, the lm_head, sampling) as one function,
-  compiled by torch.compile and captured once as a CUDA graph per (span, cache length), then
-  replayed every token with no Python or launch overhead.
+- `CapturedSteps`: each decode step (all layers, the lm_head, sampling), its decoder layer and
+  sampler compiled by torch.compile (one compile serves all layers), captured once as a CUDA
+  graph per (span, cache length), then replayed every token with no Python or launch overhead.
 - `StaticCacheEngine.generate`: left-pad, prefill, replay decode steps, trim at EOS.
 
 Decode attention is either SDPA over a span of the cache (`spans`: the first 1/n, 2/n, ... of
-it, each span its own compiled step) or a Triton split-K kernel (trainer/decode_attention.py)
-that reads exactly the filled columns in one compiled step.
+it, each span its own captured step) or a Triton split-K kernel (trainer/decode_attention.py)
+that reads exactly the filled columns in one captured step.
 
 Layout: prompts are left-padded to a common width W, so every sequence writes decode token
 t into cache column W + t; a per-sequence key mask hides the padding.

@@ -9,6 +9,7 @@ embeddings included. Master weights stay fp32; compute runs in `param_dtype`.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -174,9 +175,12 @@ def full_state_dict(
         free, _ = torch.cuda.mem_get_info(device)
         where = device if free > 2 * 4 * count_params(config).total else where
     if m.init == "pretrained":
+        # transformers places weights at load time through `accelerate` (device_map): without it,
+        # or for CPU, the plain load
+        onto = where.type == "cuda" and importlib.util.find_spec("accelerate") is not None
         model = AutoModelForCausalLM.from_pretrained(
             model_path(m), dtype=torch.float32, trust_remote_code=m.trust_remote_code,
-            device_map=str(where),
+            **({"device_map": str(where)} if onto else {}),
         )  # fmt: skip
     else:
         torch.manual_seed(seed)

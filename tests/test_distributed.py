@@ -63,10 +63,16 @@ def check_uneven_grpo_parity(out, layouts, variants):
 
 def test_grpo_loss_gradient_parity_uneven_ranks(tmp_path):
     """Rank 0 only short rows, rank 1 only long, rank 2 mixed, rank 3 none; r1s4, r2s2, r4s1;
-    every aggregation, and masked / truncated importance weights whose masks differ by rank."""
+    every aggregation, masked / truncated importance weights whose masks differ by rank, the
+    Triton log-prob kernel, and layers kept gathered across micro-batches."""
     out = tmp_path / "grpo.json"
     torchrun("grpo_parity.py", 4, str(tmp_path), str(out), "1", "2", "4")
-    variants = (*AGGREGATIONS, "mis_token+mask_truncated", "gspo+tis_sequence")
+    variants = (
+        *AGGREGATIONS,
+        "mis_token+mask_truncated",
+        "gspo+tis_sequence",
+        "token_mean+logprob_kernel",
+    )
     check_uneven_grpo_parity(out, ("r1s4", "r2s2", "r4s1"), variants)
 
 

@@ -45,6 +45,9 @@ VARIANTS = {  # name -> rl overrides (and model overrides under "model")
     "seq_mean_token_sum_norm": {"loss_agg": "seq_mean_token_sum_norm"},
     "mis_token+mask_truncated": {"loss_agg": "token_mean", "rollout_correction": "mis",
                                  "rollout_is_level": "token", "mask_truncated": True},
+    # the Triton log-prob/entropy kernel (Triton's interpreter on CPU), its gradient written over
+    # the logits, against the reference's torch path (a large entropy_coef: both gradients count)
+    "token_mean+logprob_kernel": {"loss_agg": "token_mean", "logprob_kernel": "triton", "entropy_coef": 0.5},
     # layers kept gathered from forward to backward and across micro-batches (the qwen3_4b preset)
     "gspo+tis_sequence": {"loss_agg": "seq_mean_token_mean", "ratio_level": "sequence",
                           "clip_low": 3e-4, "clip_high": 4e-4, "rollout_correction": "tis",

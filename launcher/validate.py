@@ -281,6 +281,7 @@ def validate_rl(cfg: Config) -> None:
     at_least("trainer.hang_timeout_s", t.hang_timeout_s, 30)
     at_least("trainer.check_replicas_every", t.check_replicas_every, 0)
     at_least("trainer.eval_every", t.eval_every, 0)
+    at_least("trainer.profile_step", t.profile_step, 0)
     at_least("trainer.eval_prompts", t.eval_prompts, 1)
     at_least("trainer.eval_k", t.eval_k, 1)
 

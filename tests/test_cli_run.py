@@ -109,7 +109,8 @@ def test_each_preset_learns_the_quickstart(preset, extra, tmp_path):
 
 
 def test_kl_and_multiple_updates_and_wandb_unreachable(tmp_path, monkeypatch):
-    """Also: logger.mode=online with no way to reach W&B logs offline with a warning and trains on."""
+    """Also: logger.mode=online with no way to reach W&B logs offline with a warning and trains
+    on; trainer.profile_step writes each rank's profile of that step."""
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
     run_dir = tmp_path / "run"
@@ -121,9 +122,14 @@ def test_kl_and_multiple_updates_and_wandb_unreachable(tmp_path, monkeypatch):
         "rl.updates_per_step=2",
         "rl.prompts_per_step=4",
         "logger.mode=online",
+        "trainer.profile_step=2",
         f"hydra.run.dir={run_dir}",
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for rank in (0, 1):  # trainer.profile_step: one table per rank, step 2 only
+        text = (run_dir / "profile" / f"step_2_rank_{rank}.txt").read_text()
+        assert text.startswith(f"step 2, rank {rank}: wall ") and "aten::" in text
+    assert not list((run_dir / "profile").glob("step_1_*"))
     rows = read_metrics(run_dir)
     assert rows[0]["train/first_kl"] == 0.0  # policy == reference before the first update
     for r in rows:

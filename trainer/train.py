@@ -10,12 +10,14 @@ extra forward pass is spent on them).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -159,6 +161,30 @@ def sequence_logprobs(
     return logp[:, :-1], entropy[:, :-1]
 
 
+@contextlib.contextmanager
+def profiled(cfg: Config, ps: ParallelState, step: int):
+    """`trainer.profile_step`: this step under torch.profiler, a table per rank in the run folder."""
+    if cfg.trainer.profile_step != step:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = ps.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        yield
+        torch.cuda.synchronize() if cuda else None
+        wall = time.perf_counter() - started
+    events = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key) for e in events) / 1e6
+    out = Path(cfg.run_dir) / "profile" / f"step_{step}_rank_{ps.rank}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"step {step}, rank {ps.rank}: wall {wall:.3f} s, {'GPU kernels' if cuda else 'CPU ops'} "
+                   f"{busy:.3f} s (summed; streams overlap)\n" + events.table(sort_by=key, row_limit=60))  # fmt: skip
+
+
 def use_logprob_kernel(cfg: Config, device: torch.device) -> bool:
     """`rl.logprob_kernel=auto`: the Triton kernel on a GPU where Triton is installed."""
     if cfg.rl.logprob_kernel != "auto":
@@ -262,7 +288,8 @@ class GRPOTrainer:
         step, stopping = self.resume(), False
         while step < self.cfg.trainer.max_steps and not stopping:
             step += 1
-            metrics = self.step(step)
+            with profiled(self.cfg, self.ps, step):
+                metrics = self.step(step)
             if self.eval_due(step):
                 metrics.update(self.evaluate(step))
             self.metrics.log(metrics)

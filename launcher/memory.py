@@ -74,6 +74,16 @@ class Shape:
     logprob_kernel: bool = False  # rl.logprob_kernel resolved to triton
     rollout_rows: int = 0  # rl.rollout_batch (0: every response in one call)
 
+    @property
+    def call_rows(self) -> int:
+        """Responses per rollout-engine call (at most: the trainer splits them evenly)."""
+        return min(self.responses, self.rollout_rows or self.responses)
+
+    @property
+    def gathers(self) -> int:
+        """All-gathers of each layer per forward/backward: again in backward unless kept."""
+        return 2 if self.reshard_after_forward else 1
+
 
 @dataclass
 class Prediction:
@@ -114,7 +124,7 @@ def predict(a, s: Shape) -> Prediction:
     if s.reference:
         always["reference model (fp32, sharded)"] = 4 * n / s.shard
     cache_len = -(-(s.prompt_tokens + s.new_tokens) // CACHE_ALIGN) * CACHE_ALIGN
-    rows = min(s.responses, s.rollout_rows or s.responses)  # per engine call
+    rows = s.call_rows
     kv = layers * 2 * rows * a.num_key_value_heads * a.head_dim * c * cache_len
     act = layer_activation_bytes(a, c)
     prefill = rows * s.prompt_tokens * act / 2  # no grad: about half is live at once
@@ -225,8 +235,8 @@ def advice(cfg, arch, shard: int, world: int, device: str, capacity: float) -> s
             k for k in sizes if predict(arch, replace(base, rollout_rows=k)).needs() <= capacity
         ]
         if fits:
-            return (f"the rollout's KV cache for {min(base.responses, base.rollout_rows or base.responses)} "
-                    f"responses per call is the peak: rl.rollout_batch={fits[0]} fits")  # fmt: skip
+            return (f"the rollout's KV cache for {base.call_rows} responses per call is the peak: "
+                    f"rl.rollout_batch={fits[0]} fits")  # fmt: skip
     elif phase == "update":
         tokens = largest_tokens(cfg, arch, shard, world, device, capacity)
         if tokens:

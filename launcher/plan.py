@@ -109,7 +109,8 @@ def plan(cfg: Config) -> str:
             + "  ".join(f"[{ranks_str(g)}]" for g in replica)
         )
 
-    pred = predict(arch, shape_of(cfg, s, world, device))
+    shape = shape_of(cfg, s, world, device)
+    pred = predict(arch, shape)
     capacity = p.gpu_memory_gb * 1e9 if p.gpu_memory_gb else None
     out += ["", f"memory per rank (launcher/memory.py; allocated bytes, GB = 1e9), peak in the "
             f"{pred.peak_phase} phase"]  # fmt: skip
@@ -129,11 +130,11 @@ def plan(cfg: Config) -> str:
         f"needs {pred.needs() / 1e9:.1f} GB per GPU with allocator slack and CUDA/NCCL reserve{verdict}"
     )
     if device == "cuda":
-        t = predict_step(cfg, arch, shape_of(cfg, s, world, device), world)
+        t = predict_step(cfg, arch, shape, world)
         parts = ", ".join(f"{k} {v:.2f} s" for k, v in t.items() if k != "step")
         out += ["", f"predicted step time on H200s (launcher/steptime.py, every response at full "
                 f"length): {t['step']:.1f} s = {parts}"]  # fmt: skip
-    gathers = 2 if cfg.model.reshard_after_forward else 1  # backward re-gathers unless kept
+    gathers = shape.gathers
     ag = gathers * (s - 1) / s * n * compute
     rs = (s - 1) / s * n * reduce
     ar = 2 * (r - 1) / r * (n / s) * reduce if r > 1 else 0.0

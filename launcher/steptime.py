@@ -45,7 +45,7 @@ def predict_step(cfg, arch, s: Shape, world: int) -> dict[str, float]:
     c = s.compute_bytes
     rows, prompt, new = s.responses, s.prompt_tokens, s.new_tokens
     # rollout: the KV cache's filled part averages prompt + new / 2 columns
-    call_rows = min(rows, s.rollout_rows or rows)
+    call_rows = s.call_rows
     calls = -(-rows // call_rows)
     kv_per_col = (
         arch.num_hidden_layers * 2 * call_rows * arch.num_key_value_heads * arch.head_dim * c
@@ -68,8 +68,7 @@ def predict_step(cfg, arch, s: Shape, world: int) -> dict[str, float]:
     compute = hardware * r.updates_per_step / (BF16_FLOPS * TRAIN_MATH_EFFICIENCY)
     update = compute + micro * MICRO_BATCH_OVERHEAD_S
     shard = s.shard
-    gathers = 2 if m.reshard_after_forward else 1  # forward, and again in backward
-    shard_bytes = micro * ((shard - 1) / shard) * counts.total * (gathers * c + 4)
+    shard_bytes = micro * ((shard - 1) / shard) * counts.total * (s.gathers * c + 4)
     exposed_shard = max(0.0, shard_bytes / NVLINK_BPS - compute)
     replicas = world // shard
     link = p.link_gbps * 1e9 / 8 if p.nnodes > 1 else NVLINK_BPS

@@ -292,21 +292,16 @@ def validate(cfg: Config, visible_gpus: int, check_gpu_count: bool = True) -> No
     if cfg.device == "cuda" and check_gpu_count:
         check(visible_gpus > 0, "device=cuda but no GPU is visible; use device=cpu")
     validate_parallel(cfg, visible_gpus, check_gpu_count)
-    if cfg.rl.decode_attention == "triton" and resolve_device(cfg.device, visible_gpus) == "cuda":
+    gpu = resolve_device(cfg.device, visible_gpus) == "cuda"
+    for key, value, other, needed in (("rl.decode_attention", cfg.rl.decode_attention, "sdpa", gpu),
+                                      ("rl.logprob_kernel", cfg.rl.logprob_kernel, "torch", True)):  # fmt: skip
         check(
-            importlib.util.find_spec("triton") is not None,
-            "rl.decode_attention=triton but Triton is not installed; pip install triton, "
-            "or use rl.decode_attention=sdpa",
+            value != "triton" or not needed or importlib.util.find_spec("triton") is not None,
+            f"{key}=triton but Triton is not installed; pip install triton, or use {key}={other}",
         )
     if cfg.rl.logprob_kernel == "triton":
         check(
-            importlib.util.find_spec("triton") is not None,
-            "rl.logprob_kernel=triton but Triton is not installed; pip install triton, "
-            "or use rl.logprob_kernel=torch",
-        )
-        check(
-            resolve_device(cfg.device, visible_gpus) == "cuda"
-            or os.environ.get("TRITON_INTERPRET") == "1",
+            gpu or os.environ.get("TRITON_INTERPRET") == "1",
             "rl.logprob_kernel=triton runs on GPUs; on CPU use rl.logprob_kernel=torch (or set "
             "TRITON_INTERPRET=1 to run it in Triton's interpreter, slowly)",
         )

@@ -225,7 +225,7 @@ def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, sa
         with open(Path(tmp) / "out.txt", "w") as sink:
             proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
             while proc.poll() is None:
-                if first is None and metrics.exists() and metrics.read_text().strip():
+                if first is None and metrics.exists() and metrics.stat().st_size > 0:
                     first = time.perf_counter() - started
                 time.sleep(0.1)
         text = (Path(tmp) / "out.txt").read_text()

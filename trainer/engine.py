@@ -95,6 +95,16 @@ def sample(
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
 
 
+def layer_weights(layer: CausalLM) -> tuple:
+    """A decoder layer's tensors in `FusedQwen3.decoder_layer`'s order, q/k/v and gate/up fused."""
+    a, mlp = layer.self_attn, layer.mlp
+    qkv_w, qkv_b = fuse_rows([a.q_proj, a.k_proj, a.v_proj])
+    gate_up_w, _ = fuse_rows([mlp.gate_proj, mlp.up_proj])
+    return (qkv_w, qkv_b, a.q_norm.weight, a.k_norm.weight, a.o_proj.weight,
+            layer.input_layernorm.weight, layer.post_attention_layernorm.weight, gate_up_w,
+            mlp.down_proj.weight)  # fmt: skip
+
+
 class FusedQwen3:
     """The Qwen3 forward over its own static KV cache (see the module docstring)."""
 
@@ -104,10 +114,9 @@ class FusedQwen3:
         if attention == "triton":
             triton_attention.load()
         self.inv_freq = model.model.rotary_emb.inv_freq.float().to(device)
-        self.qkv = [fuse_rows([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
-                    for layer in model.model.layers]  # fmt: skip
-        self.gate_up = [fuse_rows([layer.mlp.gate_proj, layer.mlp.up_proj])
-                        for layer in model.model.layers]  # fmt: skip
+        # each layer's tensors in `decoder_layer`'s order: the engine's own parameters (the weight
+        # refresh writes them in place), q/k/v and gate/up fused
+        self.layer_weights = [layer_weights(layer) for layer in model.model.layers]
         self.shape: tuple[int, int] | None = None  # (batch, cache length) the buffers are sized for
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
@@ -150,15 +159,6 @@ class FusedQwen3:
         freqs = pos_BT[..., None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]  # (B, 1, T, d)
-
-    def layer_weights(self, i: int) -> tuple:
-        """Layer i's tensors, in `decoder_layer`'s order (the engine's own parameters, which the
-        weight refresh writes in place)."""
-        layer = self.model.model.layers[i]
-        a, mlp = layer.self_attn, layer.mlp
-        return (*self.qkv[i], a.q_norm.weight, a.k_norm.weight, a.o_proj.weight,
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                self.gate_up[i][0], mlp.down_proj.weight)  # fmt: skip
 
     def decoder_layer(self, x, cos, sin, cols_T, mask_B1TK, k_cache, v_cache, qkv_w, qkv_b,
                       q_norm, k_norm, o_w, norm1, norm2, gate_up_w, down_w) -> torch.Tensor:  # fmt: skip
@@ -203,7 +203,7 @@ class FusedQwen3:
         x = m.embed_tokens(ids_BT)
         for i in range(len(m.layers)):
             x = layer_fn(x, cos, sin, cols_T, mask_B1TK, self.k_cache[i], self.v_cache[i],
-                         *self.layer_weights(i))  # fmt: skip
+                         *self.layer_weights[i])  # fmt: skip
         return self.model.lm_head(rms_norm(x[:, -1], m.norm.weight, self.config.rms_norm_eps))
 
     def decode_step(self, span: int, params: SamplingParams, layer_fn: Callable | None = None,

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import AutoModelForCausalLM
 
 from trainer.grpo import grpo_token_loss, loss_weights, rollout_is_weights
-from trainer.model import hf_config
+from trainer.model import compute_dtype, hf_config
 from trainer.stats import StepStats
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
@@ -134,9 +134,7 @@ def check(trainer, tamper: Callable[[], None] | None = None) -> tuple[bool, str]
         diffs = {n: (grads[n] - ref[n]).abs().max().item() for n in ref}
         worst = max(diffs, key=lambda n: diffs[n])
         err = diffs[worst] / max(scale, 1e-30)
-        bf16 = cfg.model.param_dtype == "bf16" or (
-            cfg.model.param_dtype == "auto" and ps.device.type == "cuda"
-        )
+        bf16 = compute_dtype(cfg.model, ps.device.type) == torch.bfloat16
         tol = TOLERANCE[torch.bfloat16 if bf16 else torch.float32]
         ok = err <= tol
         line = (f"parity: max |g - g_ref| / max |g_ref| = {err:.2e} (tolerance {tol:g} for "

@@ -174,7 +174,8 @@ def profiled(cfg: Config, ps: ParallelState, step: int):
     with profile(activities=activities) as prof:
         started = time.perf_counter()
         yield
-        torch.cuda.synchronize() if cuda else None
+        if cuda:
+            torch.cuda.synchronize()
         wall = time.perf_counter() - started
     events = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -460,7 +461,7 @@ class GRPOTrainer:
         rows = [self.eval_prompt_ids[i] for i in mine for _ in range(1 + k)]
         greedy = [j == 0 for _ in mine for j in range(1 + k)]
         torch.manual_seed(mixed_seed(self.cfg.trainer.seed, step, self.ps.dp_rank, -1))
-        responses = self.generate_in_engine_batches(rows, greedy).response_ids if rows else []
+        responses = self.generate_in_engine_batches(rows, greedy).response_ids
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         correct = REWARDS[TASK_CORRECTNESS[self.cfg.data.name]]
         sums = DPSums(self.ps.device)
@@ -499,7 +500,9 @@ class GRPOTrainer:
                 chunk + [chunk[0]] * pad, self.sampling, chunk_flags + [False] * pad
             )
             parts.append(result.select(list(range(len(chunk)))) if pad else result)
-        return sum(parts[1:], parts[0])
+        return (
+            sum(parts[1:], parts[0]) if parts else Rollout([], [], [], [])
+        )  # a rank may have none
 
     def dp_sum(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long, device=self.ps.device)

@@ -82,11 +82,16 @@ def describe_failure(
     beats = read_heartbeats(run_dir)
     if any(b.get("stalled") for b in beats.values()):
         return "error: " + describe_stall(beats, hang_timeout_s), STALL_EXIT_CODE
-    # torchrun lists every rank it stopped, then the one that failed first: read that one.
+    # torchrun lists every rank it stopped, then the one that failed first: read that one. When
+    # that one ended by torchrun's own SIGTERM (it stops the survivors of a failure, and their
+    # times can race the real failure's), a rank that ended any other way is the cause.
     match = FAILED_RANK.search(output[output.rfind("Root Cause") :])
     if not match:
         return f"error: the workers exited with code {code}; logs are in {run_dir / 'logs'}", code
     rank, exitcode = int(match[1]), int(match[2])
+    if exitcode == -signal.SIGTERM:
+        others = [(int(r), int(c)) for r, c in FAILED_RANK.findall(output) if int(c) != exitcode]
+        rank, exitcode = others[0] if others else (rank, exitcode)
     log = rank_log(run_dir, rank)
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     if exitcode in RUN_ERROR_EXIT_CODES and (

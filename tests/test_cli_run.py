@@ -312,3 +312,30 @@ def test_variable_length_responses_with_a_small_token_budget_finish(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert any(r["train/micro_batches_needed_min"] < r["train/micro_batches"] for r in rows), rows
     assert all(0 < r["rollout/truncated_frac"] < 1 for r in rows)  # some end at EOS, some do not
+
+
+def test_the_failure_named_is_not_one_torchrun_stopped(tmp_path):
+    """torchrun's root cause can be a rank it SIGTERMed itself after the real failure (their
+    times race): the launcher names the rank that ended another way (seen on 2 cores: rank 1,
+    signal 15, named instead of the SIGKILLed rank 2)."""
+    from launcher.torchrun import describe_failure
+
+    (tmp_path / "logs").mkdir()
+    for r in (1, 2):
+        (tmp_path / "logs" / f"rank_{r}.log").write_text(f"rank {r} last line\n")
+
+    def failure(rank: int, code: int) -> str:
+        return f"  rank      : {rank} (local_rank: {rank})\n  exitcode  : {code} (pid: 9)\n"
+
+    out = (
+        "Failures:\n" + failure(2, -9) + "Root Cause (first observed failure):\n" + failure(1, -15)
+    )
+    line, _ = describe_failure(out, tmp_path, 1, 600)
+    assert line.startswith("error: rank 2 failed (killed by signal 9)"), line
+    # every rank stopped by SIGTERM (the user's Ctrl-C): the root cause stands
+    out = (
+        "Failures:\n" + failure(2, -15) + "Root Cause (first observed failure):\n" + failure(1, -15)
+    )
+    assert describe_failure(out, tmp_path, 1, 600)[0].startswith(
+        "error: rank 1 failed (killed by signal 15)"
+    )

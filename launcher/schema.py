@@ -345,8 +345,9 @@ class TrainerConfig:
     # naming the first differing parameter. 0: never. Logged as train/replica_max_diff.
     check_replicas_every: int = 50
     # Profile this step (0: none) with torch.profiler: each rank writes
-    # RUN_DIR/profile/step_N_rank_R.txt, its kernels and ops by GPU (or CPU) time, and how much of
-    # the step's wall time the GPU was busy.
+    # RUN_DIR/profile/step_N_rank_R.txt, one table per phase (rollout, reference and plan, update,
+    # refresh) of its kernels and ops by GPU (or CPU) time, and how much of each phase's wall time
+    # the GPU was busy.
     profile_step: int = 0
     # Evaluate on held-out prompts every N steps and after the last one (0: never): greedy
     # pass@1 and pass@k from eval_k samples at rl.temperature (the unbiased estimator), split over

@@ -96,8 +96,9 @@ def decode_floor(config, dtype, ceilings, batch: int, prompt: int, new: int) -> 
 
 
 def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceilings,
-                 variants: list[tuple[str, object]], profile: Path | None = None) -> dict:  # fmt: skip
-    """The engine under each (overrides, config) variant (the first is reported), then HF."""
+                 variants: list[tuple[str, object]], profile: Path | None = None, hf: bool = True) -> dict:  # fmt: skip
+    """The engine under each (overrides, config) variant (the first is reported), then HF
+    (unless `hf` is off: its static-cache generate compiles for minutes per batch size)."""
     from transformers import GenerationConfig
 
     from trainer.engine import StaticCacheEngine
@@ -126,11 +127,13 @@ def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceili
         if i != len(variants) - 1:
             del engine
             torch.cuda.empty_cache() if device.type == "cuda" else None
-    ids = torch.tensor(prompts, device=device)
-    gen = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=new, min_new_tokens=new,
-                           cache_implementation="static", pad_token_id=0, eos_token_id=None)  # fmt: skip
-    t_hf = timed(lambda: engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                               generation_config=gen), device, repeat=1)  # fmt: skip
+    t_hf = float("nan")
+    if hf:
+        ids = torch.tensor(prompts, device=device)
+        gen = GenerationConfig(do_sample=True, top_k=0, max_new_tokens=new, min_new_tokens=new,
+                               cache_implementation="static", pad_token_id=0, eos_token_id=None)  # fmt: skip
+        t_hf = timed(lambda: engine.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                                   generation_config=gen), device, repeat=1)  # fmt: skip
     t = timings[0]["engine_s"]
     return {"batch": batch, "prompt": prompt, "new_tokens": new, "engine_s": t, "hf_static_s": t_hf,
             "floor_s": floor, "engine_over_floor": t / floor, "hf_over_floor": t_hf / floor,
@@ -308,7 +311,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,train,grpo")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,train,grpo; hf: transformers' generate in (a)")
     ap.add_argument("--grpo", action="append", default=None, metavar="OVERRIDES",
                     help="launcher overrides for one GRPO-step run (space separated); repeat to compare "
                     "variants; default: one run with the model preset's settings")  # fmt: skip
@@ -365,7 +368,7 @@ def main() -> None:
     for shape in [] if "decode" in skip else shapes:
         variants = [(v, preset(name, tuple(v.split()))) for v in args.decode or ["", WHOLE_CACHE]]
         profile = out / f"profile_decode_b{shape[0]}.txt" if args.profile and gpu else None
-        r["decode"].append(decode_bench(config, device, dtype, *shape, ceilings, variants, profile))
+        r["decode"].append(decode_bench(config, device, dtype, *shape, ceilings, variants, profile, "hf" not in skip))
         save("decode")
         torch.cuda.empty_cache() if gpu else None
 

@@ -128,7 +128,10 @@ def test_kl_and_multiple_updates_and_wandb_unreachable(tmp_path, monkeypatch):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for rank in (0, 1):  # trainer.profile_step: one table per rank, step 2 only
         text = (run_dir / "profile" / f"step_2_rank_{rank}.txt").read_text()
-        assert text.startswith(f"step 2, rank {rank}: wall ") and "aten::" in text
+        assert text.startswith(f"step 2, rank {rank}\n") and "aten::" in text
+        phases = [line.split(":")[0] for line in text.splitlines() if line.startswith("## ")]
+        assert phases == ["## rollout", "## reference and plan", "## update",
+                          "## replica check and weight refresh"]  # fmt: skip
     assert not list((run_dir / "profile").glob("step_1_*"))
     rows = read_metrics(run_dir)
     assert rows[0]["train/first_kl"] == 0.0  # policy == reference before the first update

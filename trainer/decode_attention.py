@@ -8,8 +8,9 @@ per-sequence key mask), each byte once, with enough programs to keep every SM st
   KV head are the rows of one tile, so K/V are read once for all of them (no repeat_interleave);
 - the filled length comes from a device tensor (`col`), so one compiled kernel and one captured
   CUDA graph serve every step: blocks past the filled length are skipped, not read;
-- each split leaves its softmax-normalised partial output and log-sum-exp; the splits are merged
-  with a softmax over their log-sum-exps (a few MB).
+- each split leaves its softmax-normalised partial output and log-sum-exp (fp32, a few MB); a
+  second kernel, one program per (sequence, KV head), merges the splits with a softmax over
+  their log-sum-exps and writes the output in q's dtype (one launch, not five eager ops);
 
 The cache length is a compile-time constant (one kernel per buffer size). Triton is imported
 by `load()` (the engine calls it when it is built with this attention), not by importing this
@@ -24,9 +25,10 @@ import torch
 
 SPLIT = 128  # cache columns per program
 BLOCK = 64  # cache columns per inner tile
+WARPS = 4  # warps per program (scripts/bench_decode_attention.py sweeps these three)
 
 
-_kernel: Any = None  # the @triton.jit function, once load() has built it
+_kernels: Any = None  # (split, merge) @triton.jit functions, once load() has built them
 
 
 def supports(head_dim: int) -> bool:
@@ -35,10 +37,10 @@ def supports(head_dim: int) -> bool:
 
 
 def load():
-    """Build the kernel (imports Triton); outside torch.compile, so the traced step sees a global."""
-    global _kernel
-    if _kernel is not None:
-        return _kernel
+    """Build the kernels (imports Triton); outside torch.compile, so the traced step sees a global."""
+    global _kernels
+    if _kernels is not None:
+        return _kernels
     import triton
     import triton.language as tl
 
@@ -48,7 +50,9 @@ def load():
                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, SCALE: tl.constexpr,
                      SPLIT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        n = tl.load(Col) + 1  # columns 0 .. col are filled
+        n = tl.minimum(tl.load(Col) + 1, L)  # columns 0 .. col are filled
+        lo = s * SPLIT
+        hi = tl.minimum(n, lo + SPLIT)  # lo >= hi: a split past the filled columns reads nothing
         g, d = tl.arange(0, GP), tl.arange(0, D)
         rows = g < G
         q = tl.load(
@@ -58,16 +62,12 @@ def load():
         denom = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
         for off in range(0, SPLIT, BLOCK):
-            start = s * SPLIT + off
-            if start < n:
+            start = lo + off
+            if start < hi:  # blocks past the filled columns are skipped, not read
                 c = start + tl.arange(0, BLOCK)
-                inb = (c < n) & (c < L)
+                inb = c < hi
                 ok = inb & (tl.load(Valid + b * sab + c, mask=inb, other=0) != 0)
-                k = tl.load(
-                    K + b * skb + h * skh + c[:, None] * D + d[None, :],
-                    mask=inb[:, None],
-                    other=0.0,
-                )
+                k = tl.load(K + b * skb + h * skh + c[:, None] * D + d[None, :], mask=inb[:, None], other=0.0)
                 qk = tl.dot(q, tl.trans(k)) * SCALE
                 qk = tl.where(ok[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m, tl.max(qk, 1))
@@ -75,11 +75,7 @@ def load():
                 p = tl.exp(qk - m_safe[:, None])
                 alpha = tl.exp(m - m_safe)
                 denom = denom * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    V + b * svb + h * svh + c[:, None] * D + d[None, :],
-                    mask=inb[:, None],
-                    other=0.0,
-                )
+                v = tl.load(V + b * svb + h * svh + c[:, None] * D + d[None, :], mask=inb[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m = m_new
         some = denom > 0
@@ -90,8 +86,34 @@ def load():
         )
         tl.store(LSE + b * slb + h * slh + s * sls + g, lse, mask=rows)  # fmt: skip
 
-    _kernel = split_kernel
-    return _kernel
+    @triton.jit
+    def merge_kernel(Part, LSE, Out, spb, sph, sps, slb, slh, sls, sob, soh,
+                     S: tl.constexpr, SP: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                     D: tl.constexpr):  # fmt: skip
+        b, h = tl.program_id(0), tl.program_id(1)
+        s, g, d = tl.arange(0, SP), tl.arange(0, GP), tl.arange(0, D)
+        ok = (s[:, None] < S) & (g[None, :] < G)
+        lse = tl.load(LSE + b * slb + h * slh + s[:, None] * sls + g[None, :], mask=ok,
+                      other=float("-inf"))  # fmt: skip
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a key: zeros, not NaN
+        denom = tl.maximum(tl.sum(tl.exp(lse - m[None, :]), 0), 1e-30)  # -inf splits weigh 0
+        rows = g < G
+        acc = tl.zeros((GP, D), tl.float32)
+        for i in range(S):  # one split's [G, D] at a time: few registers at any cache length
+            w = tl.exp(tl.load(LSE + b * slb + h * slh + i * sls + g, mask=rows, other=float("-inf")) - m)
+            part = tl.load(Part + b * spb + h * sph + i * sps + g[:, None] * D + d[None, :],
+                           mask=rows[:, None], other=0.0)  # fmt: skip
+            acc += w[:, None] * part
+        tl.store(Out + b * sob + h * soh + g[:, None] * D + d[None, :],
+                 (acc / denom[:, None]).to(Out.dtype.element_ty), mask=rows[:, None])  # fmt: skip
+
+    _kernels = (split_kernel, merge_kernel)
+    return _kernels
+
+
+def pow2(n: int, least: int = 1) -> int:
+    return max(least, 1 << (n - 1).bit_length())
 
 
 # An opaque op to torch.compile: the traced decode step calls the kernel exactly as eager code
@@ -111,17 +133,23 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.T
     assert supports(d), "head_dim must be a power of two >= 16"
     q = q_BHGD.contiguous()
     splits = -(-length // SPLIT)
-    o = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=q.device)
+    part = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, h, splits, g), dtype=torch.float32, device=q.device)
-    _kernel[(b, h, splits)](
-        q, k_BHLD, v_BHLD, valid_BL, col_1, o, lse,
+    split_kernel, merge_kernel = _kernels
+    split_kernel[(b, h, splits)](
+        q, k_BHLD, v_BHLD, valid_BL, col_1, part, lse,
         q.stride(0), q.stride(1), k_BHLD.stride(0), k_BHLD.stride(1), v_BHLD.stride(0),
-        v_BHLD.stride(1), valid_BL.stride(0), o.stride(0), o.stride(1), o.stride(2),
+        v_BHLD.stride(1), valid_BL.stride(0), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
-        G=g, GP=max(16, 1 << (g - 1).bit_length()), D=d, L=length, SCALE=d**-0.5, SPLIT=SPLIT, BLOCK=BLOCK,
+        G=g, GP=pow2(g, 16), D=d, L=length, SCALE=d**-0.5, SPLIT=SPLIT, BLOCK=BLOCK, num_warps=WARPS,
     )  # fmt: skip
-    weight = torch.softmax(lse, dim=2)  # splits with no valid key have lse -inf: weight 0
-    return (weight[..., None] * o).sum(2).to(q_BHGD.dtype)
+    out = torch.empty_like(q)
+    merge_kernel[(b, h)](
+        part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
+        lse.stride(1), lse.stride(2), out.stride(0), out.stride(1),
+        S=splits, SP=pow2(splits), G=g, GP=pow2(g), D=d,
+    )  # fmt: skip
+    return out
 
 
 @decode_attention.register_fake

@@ -10,7 +10,6 @@ extra forward pass is spent on them).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -161,29 +160,47 @@ def sequence_logprobs(
     return logp[:, :-1], entropy[:, :-1]
 
 
-@contextlib.contextmanager
-def profiled(cfg: Config, ps: ParallelState, step: int):
-    """`trainer.profile_step`: this step under torch.profiler, a table per rank in the run folder."""
-    if cfg.trainer.profile_step != step:
-        yield
-        return
-    from torch.profiler import ProfilerActivity, profile
+class StepProfile:
+    """`trainer.profile_step`: that step under torch.profiler, one table per phase (rollout,
+    reference and plan, update, refresh) so that a kernel's time is where it was spent; each rank
+    writes RUN_DIR/profile/step_N_rank_R.txt. Other steps: every call is a no-op."""
 
-    cuda = ps.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        started = time.perf_counter()
-        yield
+    def __init__(self, cfg: Config, ps: ParallelState, step: int):
+        self.on, self.ps, self.step = cfg.trainer.profile_step == step, ps, step
+        self.path = Path(cfg.run_dir) / "profile" / f"step_{step}_rank_{ps.rank}.txt"
+        self.prof: Any = None
+        self.name, self.started, self.sections = "", 0.0, [f"step {step}, rank {ps.rank}"]
+
+    def phase(self, name: str) -> None:
+        """End the running phase's profile (if any) and start `name`'s."""
+        if not self.on:
+            return
+        self.end()
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.ps.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self.prof, self.name = profile(activities=activities), name
+        self.prof.__enter__()
+        self.started = time.perf_counter()
+
+    def end(self) -> None:
+        """End the running phase's profile; its table joins the file."""
+        if self.prof is None:
+            return
+        cuda = self.ps.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
-        wall = time.perf_counter() - started
-    events = prof.key_averages()
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    busy = sum(getattr(e, key) for e in events) / 1e6
-    out = Path(cfg.run_dir) / "profile" / f"step_{step}_rank_{ps.rank}.txt"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"step {step}, rank {ps.rank}: wall {wall:.3f} s, {'GPU kernels' if cuda else 'CPU ops'} "
-                   f"{busy:.3f} s (summed; streams overlap)\n" + events.table(sort_by=key, row_limit=60))  # fmt: skip
+        wall = time.perf_counter() - self.started
+        self.prof.__exit__(None, None, None)
+        events = self.prof.key_averages()
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        busy = sum(getattr(e, key) for e in events) / 1e6
+        self.sections.append(f"## {self.name}: wall {wall:.3f} s, {'GPU kernels' if cuda else 'CPU ops'} "
+                             f"{busy:.3f} s (summed; streams overlap)\n" + events.table(sort_by=key, row_limit=40))  # fmt: skip
+        self.prof = None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text("\n".join(self.sections))
 
 
 def use_logprob_kernel(cfg: Config, device: torch.device) -> bool:
@@ -289,8 +306,7 @@ class GRPOTrainer:
         step, stopping = self.resume(), False
         while step < self.cfg.trainer.max_steps and not stopping:
             step += 1
-            with profiled(self.cfg, self.ps, step):
-                metrics = self.step(step)
+            metrics = self.step(step)
             if self.eval_due(step):
                 metrics.update(self.evaluate(step))
             self.metrics.log(metrics)
@@ -308,11 +324,17 @@ class GRPOTrainer:
     def step(self, step: int) -> dict[str, float]:
         """One GRPO step; returns its metrics, reduced over the dp ranks."""
         stats, self.current_step = StepStats(self.ps.device), step
+        profile = StepProfile(self.cfg, self.ps, step)
+        profile.phase("rollout")
         clock = [time.perf_counter()]
 
-        def lap() -> None:
+        def lap(next_phase: str = "") -> None:
             self.sync()
             clock.append(time.perf_counter())
+            if next_phase:
+                profile.phase(next_phase)
+            else:
+                profile.end()
 
         self.phase("rollout")
         self.peaks = PhasePeaks(self.ps.device)
@@ -320,13 +342,13 @@ class GRPOTrainer:
         self.peaks.mark("rollout")
         if self.rl.free_kv_cache:  # the update and the optimizer step get its memory
             self.engine.free_cache()
-        lap()
+        lap("reference and plan")
         plan = self.micro_batches(batch, stats)
         if self.reference is not None:
             batch.ref_logp_NT = self.logprobs(self.reference, batch, plan, "reference")
         if self.rl.rollout_correction == "mis":  # which tokens the learner keeps, before the loss
             batch.is_keep_NT = self.mis_keep(batch, plan)
-        lap()
+        lap("update")
         if kept_groups > 0:  # the global count: every rank updates, or none does
             self.update(batch, plan, stats)
         else:
@@ -334,7 +356,7 @@ class GRPOTrainer:
             if self.ps.rank == 0:
                 print(f"step {step}: no group with reward spread after {self.rl.max_sample_rounds} "
                       "sampling rounds; update skipped", flush=True)  # fmt: skip
-        lap()
+        lap("replica check and weight refresh")
         self.check_replicas(step, stats)
         self.phase("weight refresh")
         self.engine.load_weights(self.model)
@@ -604,7 +626,13 @@ class GRPOTrainer:
         for k, mb in enumerate(plan):
             self.phase(f"{self.update_name}, micro-batch {k + 1}/{len(plan)}")
             last = k == len(plan) - 1  # the agreed count: the same micro-batch is last everywhere
-            if self.ps.dp_replicate_size > 1:  # all-reduce across replicas once, after the last
+            if self.ps.dp_shard_size == 1:
+                # a reduce-scatter over one rank is a chain of copies (cast in, copy, add into
+                # the sharded gradient): with one shard rank the unsharded gradient IS the
+                # sharded one, so accumulate it unsharded (same fp32 sums, same order, same
+                # memory) and reduce once, after the last micro-batch (replicas included)
+                self.model.set_requires_gradient_sync(last)
+            elif self.ps.dp_replicate_size > 1:  # all-reduce across replicas once, after the last
                 self.model.set_requires_all_reduce(last)
             if keep_gathered:  # gathered from forward to backward already: keep them gathered
                 # to the next micro-batch too (no weight changes before the optimizer step), so

@@ -311,7 +311,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: decode,train,grpo; hf: transformers' generate in (a)")
+    ap.add_argument(
+        "--skip",
+        default="",
+        help="comma list of sections to skip: decode,train,grpo; hf: transformers' generate in (a)",
+    )
     ap.add_argument("--grpo", action="append", default=None, metavar="OVERRIDES",
                     help="launcher overrides for one GRPO-step run (space separated); repeat to compare "
                     "variants; default: one run with the model preset's settings")  # fmt: skip
@@ -368,7 +372,11 @@ def main() -> None:
     for shape in [] if "decode" in skip else shapes:
         variants = [(v, preset(name, tuple(v.split()))) for v in args.decode or ["", WHOLE_CACHE]]
         profile = out / f"profile_decode_b{shape[0]}.txt" if args.profile and gpu else None
-        r["decode"].append(decode_bench(config, device, dtype, *shape, ceilings, variants, profile, "hf" not in skip))
+        r["decode"].append(
+            decode_bench(
+                config, device, dtype, *shape, ceilings, variants, profile, "hf" not in skip
+            )
+        )
         save("decode")
         torch.cuda.empty_cache() if gpu else None
 

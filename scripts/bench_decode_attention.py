@@ -43,6 +43,13 @@ def replay_s(fn, repeat: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def copy_bandwidth(device: str) -> float:
+    """Bytes per second read and written by a 2 GiB device-to-device copy."""
+    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / replay_s(lambda: dst.copy_(src), repeat=10)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=512)
@@ -55,10 +62,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_decode_attention.py: needs a GPU")
     dev, b, h, g, d, n = "cuda", args.batch, args.kv_heads, args.group, args.head_dim, args.length
-    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    bandwidth = 2 * src.numel() / replay_s(lambda: dst.copy_(src), repeat=10)
-    del src, dst
+    bandwidth = copy_bandwidth(dev)
     q = torch.randn(b, h, g, d, device=dev, dtype=torch.bfloat16)
     k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
     valid = torch.ones(b, n, dtype=torch.bool, device=dev)
@@ -75,7 +79,10 @@ def main() -> None:
         da.SPLIT, da.BLOCK, da.WARPS = split, block, warps
         t = replay_s(lambda: da.decode_attention(q, k, v, valid, col))
         mark = "  (default)" if (split, block, warps) == default else ""
-        print(f"{split:5d}  {block:5d}  {warps:5d}  {t * 1e6:6.1f}  {t / floor:7.2f}{mark}", flush=True)
+        print(
+            f"{split:5d}  {block:5d}  {warps:5d}  {t * 1e6:6.1f}  {t / floor:7.2f}{mark}",
+            flush=True,
+        )
     da.SPLIT, da.BLOCK, da.WARPS = default
 
 

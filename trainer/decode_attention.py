@@ -67,7 +67,11 @@ def load():
                 c = start + tl.arange(0, BLOCK)
                 inb = c < hi
                 ok = inb & (tl.load(Valid + b * sab + c, mask=inb, other=0) != 0)
-                k = tl.load(K + b * skb + h * skh + c[:, None] * D + d[None, :], mask=inb[:, None], other=0.0)
+                k = tl.load(
+                    K + b * skb + h * skh + c[:, None] * D + d[None, :],
+                    mask=inb[:, None],
+                    other=0.0,
+                )
                 qk = tl.dot(q, tl.trans(k)) * SCALE
                 qk = tl.where(ok[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m, tl.max(qk, 1))
@@ -75,7 +79,11 @@ def load():
                 p = tl.exp(qk - m_safe[:, None])
                 alpha = tl.exp(m - m_safe)
                 denom = denom * alpha + tl.sum(p, 1)
-                v = tl.load(V + b * svb + h * svh + c[:, None] * D + d[None, :], mask=inb[:, None], other=0.0)
+                v = tl.load(
+                    V + b * svb + h * svh + c[:, None] * D + d[None, :],
+                    mask=inb[:, None],
+                    other=0.0,
+                )
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m = m_new
         some = denom > 0
@@ -101,7 +109,9 @@ def load():
         rows = g < G
         acc = tl.zeros((GP, D), tl.float32)
         for i in range(S):  # one split's [G, D] at a time: few registers at any cache length
-            w = tl.exp(tl.load(LSE + b * slb + h * slh + i * sls + g, mask=rows, other=float("-inf")) - m)
+            w = tl.exp(
+                tl.load(LSE + b * slb + h * slh + i * sls + g, mask=rows, other=float("-inf")) - m
+            )
             part = tl.load(Part + b * spb + h * sph + i * sps + g[:, None] * D + d[None, :],
                            mask=rows[:, None], other=0.0)  # fmt: skip
             acc += w[:, None] * part

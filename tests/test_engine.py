@@ -133,7 +133,8 @@ def test_auto_decode_attention_picks_triton_only_where_it_runs():
 def test_freed_cache_is_made_again_with_the_same_compiled_step():
     """rl.free_kv_cache: after free_cache the next generate remakes the cache at its old shape
     and draws exactly what it would have drawn; the compiled step is reused, not recompiled
-    (its guards see the new cache tensors as the same shapes)."""
+    (its guards see the new cache tensors as the same shapes); nor is the prefill's layer when
+    the prompts' width changes."""
     import torch._dynamo
 
     config = hf_config(compose_config().model)
@@ -159,6 +160,11 @@ def test_freed_cache_is_made_again_with_the_same_compiled_step():
     )
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled, "recompiled"
     assert first.response_ids  # the compiled step ran
+    # prompts of other widths (the same cache length): the prefill's layer was compiled once,
+    # dynamic over the width, and the decode steps stay as they were
+    engine.generate([[5, 6, 7, 8, 9, 10], [11]], params)
+    engine.generate([[5], [6, 7, 8, 9]], params)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled, "recompiled"
 
 
 def test_engine_calls_are_cut_evenly_and_padded_to_the_engine_batch():

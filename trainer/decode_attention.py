@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 SPLIT = 128  # cache columns per program
-BLOCK = 64  # cache columns per inner tile
+BLOCK = 128  # cache columns per inner tile
 WARPS = 4  # warps per program (scripts/bench_decode_attention.py sweeps these three)
 
 

@@ -14,7 +14,8 @@ keeps that the only work, in four pieces, one job each:
 - `CapturedSteps`: each decode step (all layers, the lm_head, sampling), its decoder layer and
   sampler compiled by torch.compile (one compile serves all layers), captured once as a CUDA
   graph per (span, cache length), then replayed every token with no Python or launch overhead.
-- `StaticCacheEngine.generate`: left-pad, prefill, replay decode steps, trim at EOS.
+- `StaticCacheEngine.generate`: left-pad, prefill (the same decoder layer, compiled once with
+  dynamic batch and width), replay decode steps, trim at EOS.
 
 Decode attention is either SDPA over a span of the cache (`spans`: the first 1/n, 2/n, ... of
 it, each span its own captured step) or a Triton split-K kernel (trainer/decode_attention.py)
@@ -192,6 +193,12 @@ class FusedQwen3:
         gate, up = F.linear(rms_norm(x, norm2, eps), gate_up_w).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, down_w)
 
+    def prefill_layer(self, *args) -> torch.Tensor:
+        """`decoder_layer` under its own name, so that the prefill's compile (dynamic over the
+        batch and the prompt width: one compile for every step's prompts) keeps its cache entries
+        apart from the decode step's static ones (torch.compile counts recompiles per function)."""
+        return self.decoder_layer(*args)
+
     def forward(self, ids_BT: torch.Tensor, pos_BT: torch.Tensor, cols_T: torch.Tensor,
                 mask_B1TK: torch.Tensor, layer_fn: Callable | None = None) -> torch.Tensor:  # fmt: skip
         """Logits of the last position, writing K/V of positions `cols_T` into the cache.
@@ -302,6 +309,11 @@ class StaticCacheEngine:
         self.net = FusedQwen3(self.model, dtype, device, attention)
         cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
         self.steps = CapturedSteps(self.net, compile, cuda_graph)
+        # the prefill's layer, compiled once for any batch and prompt width (it does not depend
+        # on the sampling, so it outlives the decode steps' resets)
+        self.prefill_fn = (
+            torch.compile(self.net.prefill_layer, fullgraph=True, dynamic=True) if compile else None
+        )
         self.span_align = CACHE_ALIGN
 
     @property
@@ -365,7 +377,7 @@ class StaticCacheEngine:
             width, dtype=torch.bool, device=self.device
         )
         net.greedy.copy_(torch.tensor(greedy or [False] * b, dtype=torch.bool))
-        token, logp = sample(net.forward(ids, pos, cols, mask), params, net.greedy)  # prefill
+        token, logp = sample(net.forward(ids, pos, cols, mask, self.prefill_fn), params, net.greedy)
         tokens_BN = torch.empty((b, new), dtype=torch.long, device=self.device)
         logps_BN = torch.empty((b, new), dtype=torch.float32, device=self.device)
         tokens_BN[:, 0], logps_BN[:, 0] = token, logp

@@ -8,8 +8,10 @@
               half the new tokens)
     update    hardware FLOPs (6 x matmul params x tokens + causal attention; x 4/3 with
               activation checkpointing) / (peak x TRAIN_MATH_EFFICIENCY)
-              + MICRO_BATCH_OVERHEAD_S per micro-batch (FSDP's casts and copies of the weights
-              and gradients, the loss, launches)
+              + a fixed cost per micro-batch (FSDP's casts and copies of the weights and
+              gradients, the loss, launches): MICRO_BATCH_OVERHEAD_S where every micro-batch
+              reduce-scatters its gradient, ONE_SHARD_MICRO_BATCH_OVERHEAD_S where a shard group
+              has one rank (the gradient is reduced once, after the last micro-batch)
     shard     all-gathers (forward and backward) and the reduce-scatter per micro-batch inside
               a shard group over NVLink (NVLINK_BPS); FSDP overlaps them with compute, so only
               what exceeds the update's compute is counted
@@ -29,13 +31,17 @@ from launcher.memory import Shape
 
 BANDWIDTH_BPS = 4.08e12
 BF16_FLOPS = 759e12
-# Fitted on H200 runs of 2026-12-04 (docs/benchmarks.md, "Issue 18"): the decode and prefill
-# factors on the preset's rollout (512 rows, 256 new) and the long-response one (2 x 128 rows,
-# 2048 new); the update's two on three updates (checkpointed or not, 8192 or 16384 tokens).
-DECODE_OVER_FLOOR = 1.756
-PREFILL_OVER_FLOOR = 1.585
+# Fitted on H200 runs of 2026-12-04 (docs/benchmarks.md, "Issue 18"). Decode and prefill: on
+# the preset's rollout (512 rows, 256 new) with the Triton split merge and the compiled prefill
+# (about 0.4 s of the rollout's 0.6 s gain, from the profiles: the prefill now runs at the
+# matmul peak); before those, 1.756 and 1.585 fitted this rollout and the long-response one.
+# The update's: TRAIN_MATH_EFFICIENCY and MICRO_BATCH_OVERHEAD_S on three updates that
+# reduce-scattered every micro-batch; the one-shard cost on the preset's update since.
+DECODE_OVER_FLOOR = 1.66
+PREFILL_OVER_FLOOR = 1.0
 TRAIN_MATH_EFFICIENCY = 0.98  # share of the measured peak the update's matmuls reach
 MICRO_BATCH_OVERHEAD_S = 0.083  # seconds per forward/backward pass beyond its FLOPs
+ONE_SHARD_MICRO_BATCH_OVERHEAD_S = 0.064  # the same, no reduce-scatter until the last
 NVLINK_BPS = 370e9
 
 
@@ -66,8 +72,9 @@ def predict_step(cfg, arch, s: Shape, world: int) -> dict[str, float]:
     rows_per_micro = max(1, budget // length) if budget > 0 else r.micro_batch_responses
     micro = -(-rows // rows_per_micro) * r.updates_per_step
     compute = hardware * r.updates_per_step / (BF16_FLOPS * TRAIN_MATH_EFFICIENCY)
-    update = compute + micro * MICRO_BATCH_OVERHEAD_S
     shard = s.shard
+    per_micro = ONE_SHARD_MICRO_BATCH_OVERHEAD_S if shard == 1 else MICRO_BATCH_OVERHEAD_S
+    update = compute + micro * per_micro
     shard_bytes = micro * ((shard - 1) / shard) * counts.total * (s.gathers * c + 4)
     exposed_shard = max(0.0, shard_bytes / NVLINK_BPS - compute)
     replicas = world // shard

@@ -10,7 +10,7 @@ per-sequence key mask), each byte once, with enough programs to keep every SM st
   CUDA graph serve every step: blocks past the filled length are skipped, not read;
 - each split leaves its softmax-normalised partial output and log-sum-exp (fp32, a few MB); a
   second kernel, one program per (sequence, KV head), merges the splits with a softmax over
-  their log-sum-exps and writes the output in q's dtype (one launch, not five eager ops);
+  their log-sum-exps and writes the output in q's dtype (one launch, not five eager ops).
 
 The cache length is a compile-time constant (one kernel per buffer size). Triton is imported
 by `load()` (the engine calls it when it is built with this attention), not by importing this

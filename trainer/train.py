@@ -166,7 +166,7 @@ class StepProfile:
     writes RUN_DIR/profile/step_N_rank_R.txt. Other steps: every call is a no-op."""
 
     def __init__(self, cfg: Config, ps: ParallelState, step: int):
-        self.on, self.ps, self.step = cfg.trainer.profile_step == step, ps, step
+        self.on, self.ps = cfg.trainer.profile_step == step, ps
         self.path = Path(cfg.run_dir) / "profile" / f"step_{step}_rank_{ps.rank}.txt"
         self.prof: Any = None
         self.name, self.started, self.sections = "", 0.0, [f"step {step}, rank {ps.rank}"]

@@ -266,7 +266,8 @@ class RLConfig:
     # Rollout engine: auto (static on GPUs, hf on CPU), static (static KV cache + CUDA graph),
     # hf (transformers generate).
     engine: str = choice("auto", "auto", "static", "hf")
-    # static engine: compile the decode step with torch.compile before capturing it.
+    # static engine: compile the decode step with torch.compile before capturing it, and the
+    # prefill's decoder layer (once, for any batch and prompt width).
     compile_decode: bool = True
     # static engine: decode steps attend over the first 1/n, 2/n, ... n/n of the KV cache (the
     # part that holds the tokens so far) instead of all of it every step; each of the n spans is

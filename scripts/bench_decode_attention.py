@@ -5,9 +5,10 @@
 
 One decode step of one layer: each sequence reads the filled columns 0 .. col of its K and V
 cache once. Floor: those bytes (B x Hkv x (col + 1) x D x 2 tensors x 2 bytes) over the copy
-bandwidth measured here. Each row is one setting of trainer/decode_attention.py's SPLIT, BLOCK
-and WARPS (the module's defaults are marked); the time is the median of CUDA-graph replays of
-the whole op (split kernel and merge), as the engine runs it. GPU only.
+bandwidth, measured as scripts/bench.py measures it (an eager copy). Each row is one setting of
+trainer/decode_attention.py's SPLIT, BLOCK and WARPS (the module's defaults are marked); the time
+is the median of CUDA-graph replays of the whole op (split kernel and merge), as the engine runs
+it. GPU only.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from scripts.bench import copy_bandwidth  # noqa: E402
 from trainer import decode_attention as da  # noqa: E402
 
 
@@ -43,21 +45,6 @@ def replay_s(fn, repeat: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def copy_bandwidth(device: str) -> float:
-    """Bytes per second read and written by a 2 GiB device-to-device copy, launched eagerly (a
-    copy captured in a CUDA graph runs on the copy engines, about a third slower)."""
-    src = torch.empty(2 * 1024**3, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=512)
@@ -70,7 +57,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_decode_attention.py: needs a GPU")
     dev, b, h, g, d, n = "cuda", args.batch, args.kv_heads, args.group, args.head_dim, args.length
-    bandwidth = copy_bandwidth(dev)
+    bandwidth = copy_bandwidth(torch.device(dev))
     q = torch.randn(b, h, g, d, device=dev, dtype=torch.bfloat16)
     k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
     valid = torch.ones(b, n, dtype=torch.bool, device=dev)

@@ -522,9 +522,7 @@ class GRPOTrainer:
                 chunk + [chunk[0]] * pad, self.sampling, chunk_flags + [False] * pad
             )
             parts.append(result.select(list(range(len(chunk)))) if pad else result)
-        return (
-            sum(parts[1:], parts[0]) if parts else Rollout([], [], [], [])
-        )  # a rank may have none
+        return sum(parts, Rollout([], [], [], []))  # empty for a rank with no rows
 
     def dp_sum(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.long, device=self.ps.device)

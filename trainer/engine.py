@@ -79,6 +79,8 @@ def sample(
     """Draw from softmax(logits / T) cut to the top-k tokens and the top-p nucleus and
     renormalised; return the token and its log-prob under that distribution, the one it was
     really drawn from. Rows where `greedy_B` is set take the argmax instead."""
+    if params.top_k == 0 and params.top_p >= 1.0:
+        return sample_full(logits_BV, params.temperature, greedy_B)
     z = logits_BV.float() / params.temperature
     if params.top_k > 0:
         kth = z.topk(min(params.top_k, z.shape[-1]), dim=-1).values[:, -1:]
@@ -94,6 +96,56 @@ def sample(
     if greedy_B is not None:
         token = torch.where(greedy_B, z.argmax(-1), token)
     return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+def vocab_chunks(vocab: int, target: int = 1024) -> int:
+    """Columns per chunk for `sample_full`: the divisor of `vocab` nearest `target` from
+    above (151,936 = 128 x 1,187: chunks of 1,187), or `vocab` itself when it has none below
+    8 x target (one chunk: correct, just one long row per program)."""
+    for k in range(target, 8 * target + 1):
+        if vocab % k == 0:
+            return k
+    return vocab
+
+
+def first_past(cum_BN: torch.Tensor, u_B1: torch.Tensor) -> torch.Tensor:
+    """Per row, the first index whose cumulative mass exceeds u; where rounding leaves u at or
+    past the row's total, the last index with mass (the argmax of a non-decreasing row is the
+    first place it reaches its end), never one of probability zero."""
+    return torch.minimum((cum_BN <= u_B1).sum(-1, keepdim=True), cum_BN.argmax(-1, keepdim=True))
+
+
+def sample_full(
+    logits_BV: torch.Tensor, temperature: float, greedy_B: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` without a top-k or top-p cut, by inverting the CDF of softmax(logits / T) with
+    one uniform draw per row. The vocabulary is cut into C chunks of K columns: one reduction
+    pass gives each chunk's max, argmax and exp-sum (B x C rows of K: every SM busy at any
+    batch); the uniform picks a chunk from the C sums, then a column by a cumulative sum over
+    that chunk alone. So the logits are read about once, nothing [B, V] is written (the old
+    exponential race drew V random numbers per row, with an fp32 log-softmax copy, three
+    passes), and the token's log-prob is z_token - logsumexp(z)."""
+    b, v = logits_BV.shape
+    k = vocab_chunks(v)
+    z_BCK = logits_BV.float().view(b, v // k, k) / temperature
+    m_BC = z_BCK.amax(-1)
+    mx_B1 = m_BC.amax(-1, keepdim=True)
+    shift_BC = m_BC.masked_fill(m_BC == -torch.inf, 0.0)  # a chunk of -inf only: mass 0, no NaN
+    w_BC = (z_BCK - shift_BC[..., None]).exp().sum(-1) * (m_BC - mx_B1).exp()  # exp-sum / e^mx
+    total_B = w_BC.sum(-1)
+    u_B1 = (torch.rand(b, device=logits_BV.device) * total_B)[:, None]
+    j_B1 = first_past(w_BC.cumsum(-1), u_B1)
+    r_B1 = u_B1 - (w_BC.cumsum(-1).gather(-1, j_B1) - w_BC.gather(-1, j_B1))
+    z_BK = z_BCK.gather(1, j_B1[..., None].expand(b, 1, k)).squeeze(1)
+    token_B = (j_B1 * k + first_past((z_BK - mx_B1).exp().cumsum(-1), r_B1)).squeeze(-1)
+    if greedy_B is not None:  # the first maximum: the first chunk holding it, its first column
+        best_B1 = m_BC.argmax(-1, keepdim=True)
+        at_B1 = (
+            z_BCK.gather(1, best_B1[..., None].expand(b, 1, k)).squeeze(1).argmax(-1, keepdim=True)
+        )
+        token_B = torch.where(greedy_B, (best_B1 * k + at_B1).squeeze(-1), token_B)
+    lse_B = mx_B1.squeeze(-1) + total_B.log()
+    return token_B, logits_BV.float().gather(-1, token_B[:, None]).squeeze(-1) / temperature - lse_B
 
 
 def layer_weights(layer: CausalLM) -> tuple:

@@ -42,6 +42,20 @@ def test_matches_sdpa_over_the_filled_columns(batch, kv_heads, group, head_dim, 
     torch.testing.assert_close(out.float(), ref, rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize(
+    "setting", [{"V_FIRST": True}, {"SPLIT": 256, "BLOCK": 64, "STAGES": 1, "WARPS": 8}]
+)
+def test_every_setting_the_sweep_tries_is_exact(monkeypatch, setting):
+    """scripts/bench_decode_attention.py sweeps the module's launch settings: the ones the kernel
+    source branches on (V_FIRST) and a split of several blocks give the same attention."""
+    from trainer import decode_attention as da
+
+    for knob, value in setting.items():
+        monkeypatch.setattr(da, knob, value)
+    test_matches_sdpa_over_the_filled_columns(3, 2, 4, 16, 200, 150)
+    test_matches_sdpa_over_the_filled_columns(2, 1, 3, 16, 1100, 1050)
+
+
 def test_a_sequence_with_one_valid_key_attends_to_it_alone():
     from trainer.decode_attention import decode_attention, load
 

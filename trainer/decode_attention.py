@@ -25,7 +25,9 @@ import torch
 
 SPLIT = 128  # cache columns per program
 BLOCK = 128  # cache columns per inner tile
-WARPS = 4  # warps per program (scripts/bench_decode_attention.py sweeps these three)
+WARPS = 4  # warps per program (scripts/bench_decode_attention.py sweeps these)
+STAGES = 3  # software-pipelining stages of the column loop (Triton's default)
+V_FIRST = False  # issue the V tile's load with K's, before the scores
 
 
 _kernels: Any = None  # (split, merge) @triton.jit functions, once load() has built them
@@ -48,7 +50,7 @@ def load():
     def split_kernel(Q, K, V, Valid, Col, Out, LSE,
                      sqb, sqh, skb, skh, svb, svh, sab, sob, soh, sos, slb, slh, sls,
                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, SCALE: tl.constexpr,
-                     SPLIT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                     SPLIT: tl.constexpr, BLOCK: tl.constexpr, V_FIRST: tl.constexpr):  # fmt: skip
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.minimum(tl.load(Col) + 1, L)  # columns 0 .. col are filled
         lo = s * SPLIT
@@ -72,6 +74,12 @@ def load():
                     mask=inb[:, None],
                     other=0.0,
                 )
+                if V_FIRST:
+                    v = tl.load(
+                        V + b * svb + h * svh + c[:, None] * D + d[None, :],
+                        mask=inb[:, None],
+                        other=0.0,
+                    )
                 qk = tl.dot(q, tl.trans(k)) * SCALE
                 qk = tl.where(ok[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m, tl.max(qk, 1))
@@ -79,11 +87,12 @@ def load():
                 p = tl.exp(qk - m_safe[:, None])
                 alpha = tl.exp(m - m_safe)
                 denom = denom * alpha + tl.sum(p, 1)
-                v = tl.load(
-                    V + b * svb + h * svh + c[:, None] * D + d[None, :],
-                    mask=inb[:, None],
-                    other=0.0,
-                )
+                if not V_FIRST:
+                    v = tl.load(
+                        V + b * svb + h * svh + c[:, None] * D + d[None, :],
+                        mask=inb[:, None],
+                        other=0.0,
+                    )
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m = m_new
         some = denom > 0
@@ -151,7 +160,8 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.T
         q.stride(0), q.stride(1), k_BHLD.stride(0), k_BHLD.stride(1), v_BHLD.stride(0),
         v_BHLD.stride(1), valid_BL.stride(0), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
-        G=g, GP=pow2(g, 16), D=d, L=length, SCALE=d**-0.5, SPLIT=SPLIT, BLOCK=BLOCK, num_warps=WARPS,
+        G=g, GP=pow2(g, 16), D=d, L=length, SCALE=d**-0.5, SPLIT=SPLIT, BLOCK=BLOCK, V_FIRST=V_FIRST,
+        num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     out = torch.empty_like(q)
     merge_kernel[(b, h)](

@@ -10,7 +10,8 @@ keeps that the only work, in four pieces, one job each:
   allocated at its full size (batch x (prompt + max_new_tokens), rounded up to 64), which
   `free_cache` gives back between rollouts (the next call makes it again at the same shape).
 - `sample`: temperature / top-k / top-p sampling (or greedy, per row) and the sampled token's
-  log-prob under the distribution it was drawn from, one pass.
+  log-prob under the distribution it was drawn from; without a cut, `sample_full`: one pass
+  over the logits in vocabulary chunks and one uniform draw per row (inverting the CDF).
 - `CapturedSteps`: each decode step (all layers, the lm_head, sampling), its decoder layer and
   sampler compiled by torch.compile (one compile serves all layers), captured once as a CUDA
   graph per (span, cache length), then replayed every token with no Python or launch overhead.
@@ -120,22 +121,23 @@ def sample_full(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample` without a top-k or top-p cut, by inverting the CDF of softmax(logits / T) with
     one uniform draw per row. The vocabulary is cut into C chunks of K columns: one reduction
-    pass gives each chunk's max, argmax and exp-sum (B x C rows of K: every SM busy at any
-    batch); the uniform picks a chunk from the C sums, then a column by a cumulative sum over
+    pass gives each chunk's max and exp-sum (B x C rows of K: parallel work at any batch); the
+    uniform picks a chunk from the C sums, then a column by a cumulative sum over
     that chunk alone. So the logits are read about once, nothing [B, V] is written (the old
     exponential race drew V random numbers per row, with an fp32 log-softmax copy, three
     passes), and the token's log-prob is z_token - logsumexp(z)."""
     b, v = logits_BV.shape
     k = vocab_chunks(v)
-    z_BCK = logits_BV.float().view(b, v // k, k) / temperature
+    z_BCK = logits_BV.float().reshape(b, v // k, k) / temperature
     m_BC = z_BCK.amax(-1)
     mx_B1 = m_BC.amax(-1, keepdim=True)
     shift_BC = m_BC.masked_fill(m_BC == -torch.inf, 0.0)  # a chunk of -inf only: mass 0, no NaN
     w_BC = (z_BCK - shift_BC[..., None]).exp().sum(-1) * (m_BC - mx_B1).exp()  # exp-sum / e^mx
     total_B = w_BC.sum(-1)
     u_B1 = (torch.rand(b, device=logits_BV.device) * total_B)[:, None]
-    j_B1 = first_past(w_BC.cumsum(-1), u_B1)
-    r_B1 = u_B1 - (w_BC.cumsum(-1).gather(-1, j_B1) - w_BC.gather(-1, j_B1))
+    cum_BC = w_BC.cumsum(-1)
+    j_B1 = first_past(cum_BC, u_B1)
+    r_B1 = u_B1 - (cum_BC.gather(-1, j_B1) - w_BC.gather(-1, j_B1))  # u's place inside chunk j
     z_BK = z_BCK.gather(1, j_B1[..., None].expand(b, 1, k)).squeeze(1)
     token_B = (j_B1 * k + first_past((z_BK - mx_B1).exp().cumsum(-1), r_B1)).squeeze(-1)
     if greedy_B is not None:  # the first maximum: the first chunk holding it, its first column

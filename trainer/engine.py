@@ -100,9 +100,9 @@ def sample(
 
 
 def vocab_chunks(vocab: int, target: int = 1024) -> int:
-    """Columns per chunk for `sample_full`: the divisor of `vocab` nearest `target` from
-    above (151,936 = 128 x 1,187: chunks of 1,187), or `vocab` itself when it has none below
-    8 x target (one chunk: correct, just one long row per program)."""
+    """Columns per chunk for `sample_full`: the smallest divisor of `vocab` from `target` up
+    (151,936 = 128 x 1,187: chunks of 1,187), or `vocab` itself when none is at most
+    8 x target (one chunk: correct, just one long reduction per row)."""
     for k in range(target, 8 * target + 1):
         if vocab % k == 0:
             return k

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from scripts.bench import timed  # noqa: E402
+from trainer.engine import prefill_mask  # noqa: E402
 
 
 def layouts(nkv: int, g: int):
@@ -57,17 +62,6 @@ def layouts(nkv: int, g: int):
     return out
 
 
-def seconds(fn, *args, repeat: int = 10) -> float:
-    for _ in range(3):
-        fn(*args)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn(*args)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeat
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=512)
@@ -84,8 +78,7 @@ def main() -> None:
     k, v = (torch.randn(b, nkv, t, d, device=dev, dtype=torch.bfloat16) for _ in range(2))
     cols = torch.arange(t, device=dev)
     valid = cols[None, :] >= torch.randint(0, t // 2, (b,), device=dev)[:, None]  # left padding
-    causal = cols[None, :] <= cols[:, None]
-    mask = (valid[:, None, None, :] & causal) | torch.eye(t, dtype=torch.bool, device=dev)
+    mask = prefill_mask(valid)  # the engine's
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=dev).masked_fill(~mask, float("-inf"))
     table = layouts(nkv, g)
     ref = table["grouped, bool mask"][0](q.float(), k.float(), v.float(), mask)
@@ -98,7 +91,7 @@ def main() -> None:
         for f in (fn, torch.compile(fn, fullgraph=True, dynamic=True)):
             try:
                 err = (f(q, k, v, m).reshape(ref.shape).float() - ref).abs().max().item()
-                row.append(f"{seconds(f, q, k, v, m) * 1e3:.3f}")
+                row.append(f"{timed(lambda: f(q, k, v, m), q.device, repeat=10) * 1e3:.3f}")  # noqa: B023
             except Exception as e:  # noqa: BLE001 (a backend that refuses a layout is a result)
                 row.append(type(e).__name__)
         print(f"{name:44s} {row[0]:>9s} {row[1]:>12s} {err:10.2e}", flush=True)

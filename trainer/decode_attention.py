@@ -74,12 +74,9 @@ def load():
                     mask=inb[:, None],
                     other=0.0,
                 )
+                v_at = V + b * svb + h * svh + c[:, None] * D + d[None, :]
                 if V_FIRST:
-                    v = tl.load(
-                        V + b * svb + h * svh + c[:, None] * D + d[None, :],
-                        mask=inb[:, None],
-                        other=0.0,
-                    )
+                    v = tl.load(v_at, mask=inb[:, None], other=0.0)
                 qk = tl.dot(q, tl.trans(k)) * SCALE
                 qk = tl.where(ok[None, :], qk, float("-inf"))
                 m_new = tl.maximum(m, tl.max(qk, 1))
@@ -88,11 +85,7 @@ def load():
                 alpha = tl.exp(m - m_safe)
                 denom = denom * alpha + tl.sum(p, 1)
                 if not V_FIRST:
-                    v = tl.load(
-                        V + b * svb + h * svh + c[:, None] * D + d[None, :],
-                        mask=inb[:, None],
-                        other=0.0,
-                    )
+                    v = tl.load(v_at, mask=inb[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m = m_new
         some = denom > 0

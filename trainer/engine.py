@@ -128,7 +128,12 @@ def sample_full(
     passes), and the token's log-prob is z_token - logsumexp(z)."""
     b, v = logits_BV.shape
     k = vocab_chunks(v)
-    z_BCK = logits_BV.float().reshape(b, v // k, k) / temperature
+    z_BV = logits_BV.float() / temperature
+    z_BCK = z_BV.reshape(b, v // k, k)
+
+    def chunk(j_B1: torch.Tensor) -> torch.Tensor:  # (B, K): each row's chunk j
+        return z_BCK.gather(1, j_B1[..., None].expand(b, 1, k)).squeeze(1)
+
     m_BC = z_BCK.amax(-1)
     mx_B1 = m_BC.amax(-1, keepdim=True)
     shift_BC = m_BC.masked_fill(m_BC == -torch.inf, 0.0)  # a chunk of -inf only: mass 0, no NaN
@@ -138,16 +143,25 @@ def sample_full(
     cum_BC = w_BC.cumsum(-1)
     j_B1 = first_past(cum_BC, u_B1)
     r_B1 = u_B1 - (cum_BC.gather(-1, j_B1) - w_BC.gather(-1, j_B1))  # u's place inside chunk j
-    z_BK = z_BCK.gather(1, j_B1[..., None].expand(b, 1, k)).squeeze(1)
-    token_B = (j_B1 * k + first_past((z_BK - mx_B1).exp().cumsum(-1), r_B1)).squeeze(-1)
+    token_B = (j_B1 * k + first_past((chunk(j_B1) - mx_B1).exp().cumsum(-1), r_B1)).squeeze(-1)
     if greedy_B is not None:  # the first maximum: the first chunk holding it, its first column
         best_B1 = m_BC.argmax(-1, keepdim=True)
-        at_B1 = (
-            z_BCK.gather(1, best_B1[..., None].expand(b, 1, k)).squeeze(1).argmax(-1, keepdim=True)
-        )
+        at_B1 = chunk(best_B1).argmax(-1, keepdim=True)
         token_B = torch.where(greedy_B, (best_B1 * k + at_B1).squeeze(-1), token_B)
     lse_B = mx_B1.squeeze(-1) + total_B.log()
-    return token_B, logits_BV.float().gather(-1, token_B[:, None]).squeeze(-1) / temperature - lse_B
+    return token_B, z_BV.gather(-1, token_B[:, None]).squeeze(-1) - lse_B
+
+
+def prefill_mask(valid_BW: torch.Tensor) -> torch.Tensor:
+    """(B, 1, W, W): which prompt columns each prompt position attends to: causal within the
+    prompt, padded keys hidden; each position sees itself (a padded row's output is unused, and
+    a row of all False would be NaN)."""
+    w = valid_BW.shape[-1]
+    cols = torch.arange(w, device=valid_BW.device)
+    causal = cols[None, :] <= cols[:, None]
+    return (valid_BW[:, None, None, :] & causal) | torch.eye(
+        w, dtype=torch.bool, device=valid_BW.device
+    )
 
 
 def layer_weights(layer: CausalLM) -> tuple:
@@ -426,10 +440,7 @@ class StaticCacheEngine:
         net.key_valid.zero_()
         net.key_valid[:, :width] = valid
         cols = torch.arange(width, device=self.device)
-        causal = cols[None, :] <= cols[:, None]  # (W, W): the prompt attends only within itself
-        mask = (net.key_valid[:, None, None, :width] & causal) | torch.eye(
-            width, dtype=torch.bool, device=self.device
-        )
+        mask = prefill_mask(net.key_valid[:, :width])
         net.greedy.copy_(torch.tensor(greedy or [False] * b, dtype=torch.bool))
         token, logp = sample(net.forward(ids, pos, cols, mask, self.prefill_fn), params, net.greedy)
         tokens_BN = torch.empty((b, new), dtype=torch.long, device=self.device)

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from launcher.counting import count_params  # noqa: E402
+from launcher.torchrun import STEP_LINE  # noqa: E402
 from trainer.perf import train_flops  # noqa: E402
 
 WHOLE_CACHE = "rl.decode_attention=sdpa rl.decode_spans=1"  # the plain captured step: the baseline
@@ -230,16 +231,19 @@ def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, sa
                f"rl.samples_per_prompt={samples}", f"rl.max_new_tokens={new}", *overrides, "trainer.max_steps=2", "trainer.save_final=false", "trainer.export_hf=false", "logger=none",
                f"hydra.run.dir={tmp}/run"]  # fmt: skip
         metrics = Path(tmp) / "run" / "metrics.jsonl"
-        started, first = time.perf_counter(), None
-        with open(Path(tmp) / "out.txt", "w") as sink:
-            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-            while proc.poll() is None:
-                if first is None and metrics.exists() and metrics.stat().st_size > 0:
-                    first = time.perf_counter() - started
-                time.sleep(0.1)
-        text = (Path(tmp) / "out.txt").read_text()
-        if log_to is not None:
-            log_to.write_text(text)
+        started, first, lines = time.perf_counter(), None, []
+        sink = open(log_to or os.devnull, "w")  # each line after the seconds since launch
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1, cwd=ROOT)  # fmt: skip
+        with sink, proc:
+            for line in proc.stdout:  # type: ignore[union-attr]
+                elapsed = time.perf_counter() - started
+                if first is None and STEP_LINE.match(line):  # step 1's line: start-up is over
+                    first = elapsed
+                lines.append(line)
+                sink.write(f"{elapsed:8.2f} s  {line}")
+                sink.flush()
+        text = "".join(lines)
         if proc.returncode != 0:
             raise RuntimeError(text[-5000:])
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]

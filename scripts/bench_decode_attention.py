@@ -71,8 +71,9 @@ def main() -> None:
     default = tuple(getattr(da, k) for k in knobs)
     print(f"batch {b}, {h} KV heads x {g} query heads, head_dim {d}, cache {n}, columns "
           f"{args.cols}: floor {floor * 1e6:.1f} us (mean) at {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
+    print("split 0: one program per sequence and KV head over the whole cache, no merge")
     print("split  block  warps  stages  v_first      us  x floor")
-    grid = itertools.product((128, 256), (64, 128), (4, 8), (1, 2, 3), (False, True))
+    grid = itertools.product((0, 128, 256), (64, 128), (4, 8), (1, 2, 3), (False, True))
     for setting in grid:  # every BLOCK here fits in every SPLIT
         for knob, value in zip(knobs, setting):
             setattr(da, knob, value)

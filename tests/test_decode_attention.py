@@ -43,11 +43,13 @@ def test_matches_sdpa_over_the_filled_columns(batch, kv_heads, group, head_dim, 
 
 
 @pytest.mark.parametrize(
-    "setting", [{"V_FIRST": True}, {"SPLIT": 256, "BLOCK": 64, "STAGES": 1, "WARPS": 8}]
+    "setting",
+    [{"V_FIRST": True}, {"SPLIT": 256, "BLOCK": 64, "STAGES": 1, "WARPS": 8}, {"SPLIT": 0}],
 )
 def test_every_setting_the_sweep_tries_is_exact(monkeypatch, setting):
     """scripts/bench_decode_attention.py sweeps the module's launch settings: the ones the kernel
-    source branches on (V_FIRST) and a split of several blocks give the same attention."""
+    source branches on (V_FIRST; SPLIT 0, one program over the whole cache writing the output
+    without a merge) and a split of several blocks give the same attention."""
     from trainer import decode_attention as da
 
     for knob, value in setting.items():

@@ -10,7 +10,10 @@ per-sequence key mask), each byte once, with enough programs to keep every SM st
   CUDA graph serve every step: blocks past the filled length are skipped, not read;
 - each split leaves its softmax-normalised partial output and log-sum-exp (fp32, a few MB); a
   second kernel, one program per (sequence, KV head), merges the splits with a softmax over
-  their log-sum-exps and writes the output in q's dtype (one launch, not five eager ops).
+  their log-sum-exps and writes the output in q's dtype (one launch, not five eager ops);
+- where one split covers the cache (SPLIT 0, or a cache no longer than SPLIT) its program writes
+  the output itself and nothing is merged: at large batches, B x Hkv programs already fill the
+  GPU, and the fp32 partials (a fifth of the KV bytes at 4 query heads and 3 splits) are waste.
 
 The cache length is a compile-time constant (one kernel per buffer size). Triton is imported
 by `load()` (the engine calls it when it is built with this attention), not by importing this
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-SPLIT = 128  # cache columns per program
+SPLIT = 128  # cache columns per program; 0: the whole cache, one program per (sequence, KV head)
 BLOCK = 128  # cache columns per inner tile
 WARPS = 4  # warps per program (scripts/bench_decode_attention.py sweeps these)
 STAGES = 3  # software-pipelining stages of the column loop (Triton's default)
@@ -50,7 +53,8 @@ def load():
     def split_kernel(Q, K, V, Valid, Col, Out, LSE,
                      sqb, sqh, skb, skh, svb, svh, sab, sob, soh, sos, slb, slh, sls,
                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, SCALE: tl.constexpr,
-                     SPLIT: tl.constexpr, BLOCK: tl.constexpr, V_FIRST: tl.constexpr):  # fmt: skip
+                     SPLIT: tl.constexpr, BLOCK: tl.constexpr, V_FIRST: tl.constexpr,
+                     DIRECT: tl.constexpr):  # fmt: skip
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.minimum(tl.load(Col) + 1, L)  # columns 0 .. col are filled
         lo = s * SPLIT
@@ -90,11 +94,13 @@ def load():
                 m = m_new
         some = denom > 0
         out = acc / tl.where(some, denom, 1.0)[:, None]
-        lse = tl.where(some, m + tl.log(tl.where(some, denom, 1.0)), float("-inf"))
-        tl.store(
-            Out + b * sob + h * soh + s * sos + g[:, None] * D + d[None, :], out, mask=rows[:, None]
-        )
-        tl.store(LSE + b * slb + h * slh + s * sls + g, lse, mask=rows)  # fmt: skip
+        out_at = Out + b * sob + h * soh + s * sos + g[:, None] * D + d[None, :]
+        if DIRECT:  # the only split: the output itself, in its dtype; nothing to merge
+            tl.store(out_at, out.to(Out.dtype.element_ty), mask=rows[:, None])
+        else:
+            lse = tl.where(some, m + tl.log(tl.where(some, denom, 1.0)), float("-inf"))
+            tl.store(out_at, out, mask=rows[:, None])
+            tl.store(LSE + b * slb + h * slh + s * sls + g, lse, mask=rows)
 
     @triton.jit
     def merge_kernel(Part, LSE, Out, spb, sph, sps, slb, slh, sls, sob, soh,
@@ -144,24 +150,29 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.T
     assert k_BHLD.stride(3) == 1 and k_BHLD.stride(2) == d and v_BHLD.stride(2) == d
     assert supports(d), "head_dim must be a power of two >= 16"
     q = q_BHGD.contiguous()
-    splits = -(-length // SPLIT)
-    part = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=q.device)
-    lse = torch.empty((b, h, splits, g), dtype=torch.float32, device=q.device)
+    split = SPLIT or -(-length // BLOCK) * BLOCK
+    splits = -(-length // split)
     split_kernel, merge_kernel = _kernels
+    out = torch.empty_like(q)
+    if splits == 1:  # one program per (sequence, KV head) writes the output: no partials
+        part, lse = out[:, :, None], out.new_empty((1, 1, 1, 1), dtype=torch.float32)
+    else:
+        part = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((b, h, splits, g), dtype=torch.float32, device=q.device)
     split_kernel[(b, h, splits)](
         q, k_BHLD, v_BHLD, valid_BL, col_1, part, lse,
         q.stride(0), q.stride(1), k_BHLD.stride(0), k_BHLD.stride(1), v_BHLD.stride(0),
         v_BHLD.stride(1), valid_BL.stride(0), part.stride(0), part.stride(1), part.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
-        G=g, GP=pow2(g, 16), D=d, L=length, SCALE=d**-0.5, SPLIT=SPLIT, BLOCK=BLOCK, V_FIRST=V_FIRST,
-        num_warps=WARPS, num_stages=STAGES,
+        G=g, GP=pow2(g, 16), D=d, L=length, SCALE=d**-0.5, SPLIT=split, BLOCK=BLOCK,
+        V_FIRST=V_FIRST, DIRECT=splits == 1, num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
-    out = torch.empty_like(q)
-    merge_kernel[(b, h)](
-        part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
-        lse.stride(1), lse.stride(2), out.stride(0), out.stride(1),
-        S=splits, SP=pow2(splits), G=g, GP=pow2(g), D=d,
-    )  # fmt: skip
+    if splits > 1:
+        merge_kernel[(b, h)](
+            part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0),
+            lse.stride(1), lse.stride(2), out.stride(0), out.stride(1),
+            S=splits, SP=pow2(splits), G=g, GP=pow2(g), D=d,
+        )  # fmt: skip
     return out
 
 

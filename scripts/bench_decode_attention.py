@@ -68,7 +68,8 @@ def main() -> None:
     floor = sum(b * h * (c + 1) * d * 2 * 2 for c in cols) / len(cols) / bandwidth
     da.load()
     knobs = ("SPLIT", "BLOCK", "WARPS", "STAGES", "V_FIRST")
-    default = tuple(getattr(da, k) for k in knobs)
+    kept = tuple(getattr(da, k) for k in knobs)  # SPLIT None: the default marks the split it picks
+    default = (da.split_for(b * h, q.device) if da.SPLIT is None else da.SPLIT, *kept[1:])
     print(f"batch {b}, {h} KV heads x {g} query heads, head_dim {d}, cache {n}, columns "
           f"{args.cols}: floor {floor * 1e6:.1f} us (mean) at {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
     print("split 0: one program per sequence and KV head over the whole cache, no merge")
@@ -85,7 +86,7 @@ def main() -> None:
         split, block, warps, stages, v_first = setting
         print(f"{split:5d}  {block:5d}  {warps:5d}  {stages:6d}  {v_first!s:>7}  {t * 1e6:6.1f}  "
               f"{t / floor:7.2f}{mark}", flush=True)  # fmt: skip
-    for knob, value in zip(knobs, default):
+    for knob, value in zip(knobs, kept):
         setattr(da, knob, value)
 
 

@@ -44,12 +44,16 @@ def test_matches_sdpa_over_the_filled_columns(batch, kv_heads, group, head_dim, 
 
 @pytest.mark.parametrize(
     "setting",
-    [{"V_FIRST": True}, {"SPLIT": 256, "BLOCK": 64, "STAGES": 1, "WARPS": 8}, {"SPLIT": 0}],
+    [
+        {"SPLIT": 128, "BLOCK": 128, "V_FIRST": False},  # the split path: up to 9 splits merged
+        {"SPLIT": 256, "BLOCK": 64, "STAGES": 1, "WARPS": 8},
+        {"SPLIT": 0, "V_FIRST": False},
+    ],
 )
 def test_every_setting_the_sweep_tries_is_exact(monkeypatch, setting):
     """scripts/bench_decode_attention.py sweeps the module's launch settings: the ones the kernel
-    source branches on (V_FIRST; SPLIT 0, one program over the whole cache writing the output
-    without a merge) and a split of several blocks give the same attention."""
+    source branches on (V_FIRST; the split path with its merge against SPLIT 0, one program over
+    the whole cache writing the output, which the default picks on CPU) give the same attention."""
     from trainer import decode_attention as da
 
     for knob, value in setting.items():
@@ -58,13 +62,16 @@ def test_every_setting_the_sweep_tries_is_exact(monkeypatch, setting):
     test_matches_sdpa_over_the_filled_columns(2, 1, 3, 16, 1100, 1050)
 
 
-def test_a_sequence_with_one_valid_key_attends_to_it_alone():
+@pytest.mark.parametrize("split", [128, 0])
+def test_a_sequence_with_one_valid_key_attends_to_it_alone(monkeypatch, split):
+    from trainer import decode_attention as da
     from trainer.decode_attention import decode_attention, load
 
+    monkeypatch.setattr(da, "SPLIT", split)
     load()
     q, k, v = (torch.randn(1, 1, n, 16, device=DEVICE, dtype=DTYPE) for n in (2, 256, 256))
     valid = torch.zeros(1, 256, dtype=torch.bool, device=DEVICE)
-    valid[0, 140] = True  # in the second split; the first split has no valid key at all
+    valid[0, 140] = True  # in the second split (SPLIT 128); the first has no valid key at all
     out = decode_attention(q, k, v, valid, torch.tensor([140], device=DEVICE))
     torch.testing.assert_close(out, v[:, :, 140:141].expand(1, 1, 2, 16))
 

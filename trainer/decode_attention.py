@@ -12,8 +12,9 @@ per-sequence key mask), each byte once, with enough programs to keep every SM st
   second kernel, one program per (sequence, KV head), merges the splits with a softmax over
   their log-sum-exps and writes the output in q's dtype (one launch, not five eager ops);
 - where one split covers the cache (SPLIT 0, or a cache no longer than SPLIT) its program writes
-  the output itself and nothing is merged: at large batches, B x Hkv programs already fill the
-  GPU, and the fp32 partials (a fifth of the KV bytes at 4 query heads and 3 splits) are waste.
+  the output itself and nothing is merged: where B x Hkv programs already fill the GPU (the
+  default, SPLIT None, splits only where they do not), the fp32 partials (a fifth of the KV
+  bytes at 4 query heads and 3 splits) and the merge are waste.
 
 The cache length is a compile-time constant (one kernel per buffer size). Triton is imported
 by `load()` (the engine calls it when it is built with this attention), not by importing this
@@ -26,11 +27,16 @@ from typing import Any
 
 import torch
 
-SPLIT = 128  # cache columns per program; 0: the whole cache, one program per (sequence, KV head)
-BLOCK = 128  # cache columns per inner tile
-WARPS = 4  # warps per program (scripts/bench_decode_attention.py sweeps these)
+# Launch settings; scripts/bench_decode_attention.py sweeps them. Chosen on an H100 (2026-12-05,
+# docs/benchmarks.md): one program over the whole cache, 64-column tiles, 4 warps, V loaded with
+# K: 1.07x / 1.08x / 1.25x the KV read's floor at batch 512 / 256 / 64, against 1.32x / 1.31x /
+# 1.55x for splits of 128 columns and 128-column tiles, V loaded after the scores.
+SPLIT: int | None = None  # cache columns per program; 0: the whole cache; None: by the grid
+BLOCK = 64  # cache columns per inner tile
+WARPS = 4  # warps per program
 STAGES = 3  # software-pipelining stages of the column loop (Triton's default)
-V_FIRST = False  # issue the V tile's load with K's, before the scores
+V_FIRST = True  # issue the V tile's load with K's, before the scores
+SMALL_GRID_SPLIT = 128  # SPLIT None: the split where B x Hkv programs are fewer than the SMs
 
 
 _kernels: Any = None  # (split, merge) @triton.jit functions, once load() has built them
@@ -130,6 +136,17 @@ def load():
     return _kernels
 
 
+def split_for(programs: int, device: torch.device) -> int:
+    """SPLIT None: one program per (sequence, KV head) over the whole cache (0) where those
+    programs fill every SM (measured faster from batch 64, 512 programs); splits otherwise."""
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 1
+    )
+    return 0 if programs >= sms else SMALL_GRID_SPLIT
+
+
 def pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
@@ -150,7 +167,8 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.T
     assert k_BHLD.stride(3) == 1 and k_BHLD.stride(2) == d and v_BHLD.stride(2) == d
     assert supports(d), "head_dim must be a power of two >= 16"
     q = q_BHGD.contiguous()
-    split = SPLIT or -(-length // BLOCK) * BLOCK
+    split = SPLIT if SPLIT is not None else split_for(b * h, q.device)
+    split = split or -(-length // BLOCK) * BLOCK
     splits = -(-length // split)
     split_kernel, merge_kernel = _kernels
     out = torch.empty_like(q)

@@ -274,8 +274,9 @@ class RLConfig:
     # its own compiled, captured step (about a minute of compile each for Qwen3-4B). 1: whole cache.
     decode_spans: int = 3
     # static engine, decode attention: auto (triton on a GPU with Triton installed and head_dim a
-    # power of two >= 16, else sdpa), sdpa (PyTorch SDPA over the span), triton (a split-K kernel
-    # that reads only the filled columns, one compiled step; needs a GPU and Triton).
+    # power of two >= 16, else sdpa), sdpa (PyTorch SDPA over the span), triton (a kernel that
+    # reads only the filled columns, split over the cache where the batch is too small to fill the
+    # GPU; one compiled step; needs a GPU and Triton).
     decode_attention: str = choice("auto", "auto", "sdpa", "triton")
 
 

@@ -26,7 +26,7 @@ from launcher import schema  # noqa: E402
 from trainer.data import load_task  # noqa: E402
 from trainer.errors import RunError  # noqa: E402
 from trainer.model import CausalLM, build_model, hf_config  # noqa: E402
-from trainer.parallel import ParallelState  # noqa: E402
+from trainer.parallel import ParallelState, exit_process, shutdown  # noqa: E402
 from trainer.watchdog import Watchdog  # noqa: E402
 
 
@@ -136,19 +136,20 @@ def main(config_path: str) -> None:
     redirect_output(Path(cfg.run_dir) / "logs" / f"rank_{rank}.log", tee=rank == 0)
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     watchdog = Watchdog(cfg.run_dir, rank, cfg.trainer.hang_timeout_s)
+    exit_code = 0
     try:
         run(cfg, rank, watchdog)
     except RunError as e:  # raised alike on every rank: one line and its exit code
         print(f"error: {e}", flush=True)
-        if dist.is_initialized():  # leave together: a peer gone mid-teardown makes gloo abort
-            try:
-                dist.barrier()
-                dist.destroy_process_group()
-            except Exception:
-                pass
-        watchdog.close()
-        sys.exit(e.exit_code)
+        exit_code = e.exit_code
+    if dist.is_initialized():
+        try:
+            shutdown()
+        except Exception:
+            if not exit_code:
+                raise
     watchdog.close()
+    exit_process(exit_code)
 
 
 def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
@@ -202,8 +203,6 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
                 print(line, flush=True)
         if cfg.trainer.max_steps > 0:
             trainer.train()
-    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -233,6 +233,19 @@ def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
     return HFRolloutEngine(config, dtype, device, cfg.model.attn_implementation)
 
 
+class SigtermFlag:
+    """Set by SIGTERM. The handler holds this flag, never the trainer: the interpreter keeps a
+    handler until exit, and a trainer kept there would keep the model and its process groups
+    alive into interpreter shutdown, where gloo aborts (see `parallel.shutdown`)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        signal.signal(signal.SIGTERM, self.set)
+
+    def set(self, signum, frame) -> None:
+        self.seen = True
+
+
 class GRPOTrainer:
     def __init__(self, cfg: Config, ps: ParallelState, model: CausalLM, watchdog=None,
                  task: Task | None = None):  # fmt: skip
@@ -287,11 +300,7 @@ class GRPOTrainer:
         self.peak_flops = peak_flops(device, cfg.trainer.peak_tflops)
         self.bad_updates = 0
         self.peaks = PhasePeaks(device)
-        self.sigterm = False
-        signal.signal(signal.SIGTERM, self.on_sigterm)
-
-    def on_sigterm(self, signum, frame) -> None:
-        self.sigterm = True  # checkpoint and stop at the end of this step
+        self.sigterm = SigtermFlag()  # checkpoint and stop at the end of the step it comes in
 
     def phase(self, name: str) -> None:
         self.watchdog.phase(self.current_step, name)
@@ -393,7 +402,9 @@ class GRPOTrainer:
 
     def stop_requested(self) -> bool:
         """A stop asked of the launcher (its STOP file) or of any worker (SIGTERM), agreed by all ranks."""
-        asked = self.sigterm or (self.ps.local_rank == 0 and stop_file(self.cfg.run_dir).exists())
+        asked = self.sigterm.seen or (
+            self.ps.local_rank == 0 and stop_file(self.cfg.run_dir).exists()
+        )
         return any_rank(asked, self.ps.device)  # stop (and save) together or not at all
 
     def layout(self) -> dict[str, int]:

@@ -24,7 +24,7 @@ from launcher.run_folder import LATEST, checkpoint_dir, verify
 from trainer import checkpoint
 from trainer.errors import RunError
 from trainer.model import build_model
-from trainer.parallel import ParallelState
+from trainer.parallel import ParallelState, exit_process, shutdown
 
 
 def main(tmp: str, out_path: str) -> None:
@@ -63,9 +63,9 @@ def main(tmp: str, out_path: str) -> None:
     dist.all_gather_object(results, out)
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
-    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    shutdown()
+    exit_process(0)  # no interpreter finalization: see trainer/parallel.py

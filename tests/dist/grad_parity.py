@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from launcher.schema import ModelConfig
 from trainer.model import build_model, full_state_dict, hf_config
-from trainer.parallel import ParallelState
+from trainer.parallel import ParallelState, exit_process, shutdown
 from transformers import AutoModelForCausalLM
 
 RTOL, ATOL = 2e-5, 2e-6
@@ -69,8 +69,6 @@ def main(out_path: str, replicate_sizes: list[int], options: dict) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
-    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -78,3 +76,5 @@ if __name__ == "__main__":
     sizes = [int(a) for a in sys.argv[2:] if "=" not in a]
     opts = dict(a.split("=") for a in sys.argv[2:] if "=" in a)
     main(sys.argv[1], sizes, {k: v == "true" for k, v in opts.items()})
+    shutdown()
+    exit_process(0)  # no interpreter finalization: see trainer/parallel.py

@@ -32,7 +32,7 @@ from launcher import schema
 from trainer.grpo import grpo_token_loss, loss_weights, token_logprobs
 from trainer.micro_batches import local_count
 from trainer.model import build_model, full_state_dict, hf_config
-from trainer.parallel import ParallelState
+from trainer.parallel import ParallelState, exit_process, shutdown
 from trainer.rollout import Rollout
 from trainer.stats import StepStats
 from trainer.train import GRPOTrainer, collate
@@ -185,9 +185,9 @@ def main(run_dir: str, out_path: str, *args: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"results": results, "needs": needs}, f, indent=1)
-    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    shutdown()
+    exit_process(0)  # no interpreter finalization: see trainer/parallel.py

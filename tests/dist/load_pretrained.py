@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from launcher.schema import ModelConfig
 from trainer.model import build_model, hf_config, load_tokenizer
-from trainer.parallel import ParallelState
+from trainer.parallel import ParallelState, exit_process, shutdown
 from trainer.rollout import HFRolloutEngine
 
 
@@ -41,9 +41,9 @@ def main(model_dir: str, out_path: str) -> None:
         }
     if dist.get_rank() == 0:
         Path(out_path).write_text(json.dumps(results, indent=1))
-    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    shutdown()
+    exit_process(0)  # no interpreter finalization: see trainer/parallel.py

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from launcher import schema
 from trainer.model import build_model
-from trainer.parallel import ParallelState
+from trainer.parallel import ParallelState, exit_process, shutdown
 from trainer.train import GRPOTrainer
 
 
@@ -43,9 +43,9 @@ def main(run_dir: str, out_path: str) -> None:
         with open(out_path, "w") as f:
             json.dump({"norms": [str(n) for n in norms], "unchanged": unchanged, "bad_updates": trainer.bad_updates,
                        "error": error}, f)  # fmt: skip
-    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    shutdown()
+    exit_process(0)  # no interpreter finalization: see trainer/parallel.py

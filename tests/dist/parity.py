@@ -13,7 +13,7 @@ import torch.distributed as dist
 from launcher import schema
 from trainer import parity
 from trainer.model import build_model
-from trainer.parallel import ParallelState
+from trainer.parallel import ParallelState, exit_process, shutdown
 from trainer.train import GRPOTrainer
 
 CORRUPTED = "model.layers.1.mlp.down_proj.weight"
@@ -44,9 +44,9 @@ def main(run_dir: str, out_path: str) -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    shutdown()
+    exit_process(0)  # no interpreter finalization: see trainer/parallel.py

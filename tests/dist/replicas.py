@@ -13,7 +13,7 @@ import torch.distributed as dist
 from launcher import schema
 from trainer.errors import RunError
 from trainer.model import build_model
-from trainer.parallel import ParallelState
+from trainer.parallel import ParallelState, exit_process, shutdown
 from trainer.replicas import check_replicas
 from trainer.train import GRPOTrainer
 
@@ -47,9 +47,9 @@ def main(run_dir: str, out_path: str) -> None:
         with open(out_path, "w") as f:
             json.dump({"diffs": [r["train/replica_max_diff"] for r in rows],
                        "grad_norms": [r["train/grad_norm"] for r in rows], "errors": errors}, f)  # fmt: skip
-    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    shutdown()
+    exit_process(0)  # no interpreter finalization: see trainer/parallel.py

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from launcher import schema
 from trainer.grpo import pass_at_k
 from trainer.model import build_model
-from trainer.parallel import ParallelState
+from trainer.parallel import ParallelState, exit_process, shutdown
 from trainer.rewards import digit_echo
 from trainer.rollout import Rollout
 from trainer.train import GRPOTrainer
@@ -128,9 +128,9 @@ def main(run_dir: str, out_path: str) -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(everyone, f)
-    dist.barrier()  # nobody tears down while a peer still talks (gloo aborts at exit)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    shutdown()
+    exit_process(0)  # no interpreter finalization: see trainer/parallel.py

@@ -233,8 +233,9 @@ def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, sa
         metrics = Path(tmp) / "run" / "metrics.jsonl"
         started, first, lines = time.perf_counter(), None, []
         sink = open(log_to or os.devnull, "w")  # each line after the seconds since launch
+        trace = Path(tmp) / "trace"  # torch.compile's structured log: what each compile cost
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, cwd=ROOT)  # fmt: skip
+                                bufsize=1, cwd=ROOT, env={**os.environ, "TORCH_TRACE": str(trace)})  # fmt: skip
         with sink, proc:
             for line in proc.stdout:  # type: ignore[union-attr]
                 elapsed = time.perf_counter() - started
@@ -247,6 +248,7 @@ def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, sa
         if proc.returncode != 0:
             raise RuntimeError(text[-5000:])
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        compiles = compile_report(trace)
     last = rows[-1]  # step 2: compilation and capture happened in step 1
     n = prompts * samples
     length = prompt + last["rollout/response_len_mean"]
@@ -264,8 +266,29 @@ def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, sa
             **out, "floor_s": floor, "step_over_floor": last["time/step_s"] / floor,
             "launch_to_step1_s": first or float("nan"), "step1_s": rows[0]["time/step_s"],
             "step1_rollout_s": rows[0]["time/rollout_s"], "step1_update_s": rows[0]["time/train_s"],
-            "startup": ready[0] if ready else "",
+            "startup": ready[0] if ready else "", "compile_s": sum(c["s"] for c in compiles),
+            "compiles": compiles,
             **predicted_memory(name, device, prompts, samples, prompt, new, overrides)}  # fmt: skip
+
+
+def compile_report(trace: Path) -> list[dict]:
+    """Each torch.compile of rank 0 in a TORCH_TRACE folder, in order: the function, its compile id
+    (frame/recompile), the seconds it took (Dynamo's trace and the backend together), and how many
+    of its AOTAutograd and Inductor FX graphs came from the on-disk cache (a warm start's compiles
+    should all be hits: what they still cost is tracing and loading)."""
+    out = []
+    for path in sorted(trace.glob("*rank_0*.log")):
+        for line in path.read_text().splitlines():
+            if '{"compilation_metrics"' not in line:
+                continue
+            m = json.loads(line[line.index("{") :])["compilation_metrics"]
+            hits = {k: (m.get(f"{k}_local_cache_hit_count") or 0,
+                        (m.get(f"{k}_local_cache_hit_count") or 0) + (m.get(f"{k}_local_cache_miss_count") or 0))
+                    for k in ("aotautograd", "inductor_fx")}  # fmt: skip
+            out.append({"fn": m["co_name"], "id": m["compile_id"], "s": m["entire_frame_compile_time_s"] or 0.0,
+                        "backend_s": m["backend_compile_time_s"] or 0.0,
+                        "cache_hits": {k: f"{h}/{n}" for k, (h, n) in hits.items()}})  # fmt: skip
+    return out
 
 
 def predicted_memory(name: str, device, prompts: int, samples: int, prompt: int, new: int,
@@ -312,7 +335,15 @@ def markdown(r: dict) -> str:
             "|---|---|",
         ]
         lines += [f"| {k} | {v:.3f} |" if isinstance(v, float) else f"| {k} | {v} |"
-                  for k, v in g.items() if k not in ("overrides", "error")]  # fmt: skip
+                  for k, v in g.items() if k not in ("overrides", "error", "compiles")]  # fmt: skip
+        lines += [
+            "",
+            "| compile | id | s | backend s | cache hits (AOT, FX) |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [f"| {c['fn']} | {c['id']} | {c['s']:.2f} | {c['backend_s']:.2f} | "
+                  f"{c['cache_hits']['aotautograd']}, {c['cache_hits']['inductor_fx']} |"
+                  for c in g.get("compiles", [])]  # fmt: skip
         lines += [f"failed: {g['error'][-300:]!r}"] if "error" in g else []
     return "\n".join(lines) + "\n"
 

@@ -8,8 +8,10 @@ from conftest import REPO, env
 
 
 def test_bench_cpu_smoke(tmp_path):
-    out = subprocess.run([sys.executable, "scripts/bench.py", "--device", "cpu", "--out", str(tmp_path)], cwd=REPO,
-                         env=env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    # (c) with the decoder layers compiled, so that its compile report has something to report
+    out = subprocess.run([sys.executable, "scripts/bench.py", "--device", "cpu", "--out", str(tmp_path),
+                          "--grpo", "model.compile=true"], cwd=REPO, env=env(), capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     r = json.loads((tmp_path / "bench.json").read_text())
     (decode,) = r["decode"]
@@ -25,4 +27,9 @@ def test_bench_cpu_smoke(tmp_path):
     # start-up: launch to step 1's metrics line, the workers' own account of it
     assert grpo["launch_to_step1_s"] > grpo["step1_s"] > 0
     assert grpo["startup"].startswith("ready after") and "model" in grpo["startup"]
+    # each torch.compile of the run, from TORCH_TRACE: the decoder layer's at least, timed
+    layer = [c for c in grpo["compiles"] if c["fn"] == "forward_with_checkpointing"]
+    assert layer and layer[0]["s"] > 0 and layer[0]["id"] == "0/0"
+    assert grpo["compile_s"] >= sum(c["s"] for c in layer)
+    assert "| forward_with_checkpointing | 0/0 |" in (tmp_path / "bench.md").read_text()
     assert "| decode |" in (tmp_path / "bench.md").read_text()

@@ -209,6 +209,11 @@ def test_freed_cache_is_made_again_with_the_same_compiled_step():
     engine.generate([[5, 6, 7, 8, 9, 10], [11]], params)
     engine.generate([[5], [6, 7, 8, 9]], params)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled, "recompiled"
+    # another row count: new buffers, so the decode step's layer and sampler compile again for
+    # it (static), but not the prefill's layer (the tiny model has 2 KV heads: a prefill
+    # compiled with dynamic=True equated its batch of 2 with them and compiled again here)
+    engine.generate([[5, 6], [7], [8, 9, 10]], params)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled + 2
 
 
 def test_engine_calls_are_cut_evenly_and_padded_to_the_engine_batch():

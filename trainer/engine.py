@@ -382,6 +382,39 @@ class CapturedSteps:
             t.copy_(s)
 
 
+# The prefill layer's arguments whose sizes vary between calls, and which of their dims do: the
+# batch, the prompt width and the cache length (`FusedQwen3.decoder_layer`'s first 7 arguments).
+PREFILL_DYNAMIC_DIMS = (
+    (0, 1),  # x: B, T, hidden
+    (0, 2),  # cos: B, 1, T, head_dim
+    (0, 2),  # sin
+    (0,),  # cols_T
+    (0, 2, 3),  # mask: B, 1, T, T
+    (0, 2),  # k_cache: B, kv heads, cache length, head_dim
+    (0, 2),  # v_cache
+)
+
+
+def compile_prefill(layer_fn: Callable) -> Callable:
+    """`layer_fn` compiled once for every batch, prompt width and cache length: those dims are
+    marked dynamic before each call, and nothing else is. (`dynamic=True` also made every int
+    of the model's config and every weight's dims symbolic: 77 shape guards where these need
+    10; its trace took 1.8 s of CPU time on the tiny model against 1.0 s for this one, and its
+    solver equated the batch with the KV-head count where they happened to be equal, so a
+    second batch size recompiled it.)"""
+    import torch._dynamo
+
+    compiled = torch.compile(layer_fn, fullgraph=True)
+
+    def call(*args: torch.Tensor) -> torch.Tensor:
+        for t, dims in zip(args, PREFILL_DYNAMIC_DIMS):
+            for d in dims:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+        return compiled(*args)
+
+    return call
+
+
 class StaticCacheEngine:
     """The rollout engine on GPUs: same interface and weights as HFRolloutEngine, generation by
     the static-cache loop."""
@@ -395,9 +428,7 @@ class StaticCacheEngine:
         self.steps = CapturedSteps(self.net, compile, cuda_graph)
         # the prefill's layer, compiled once for any batch and prompt width (it does not depend
         # on the sampling, so it outlives the decode steps' resets)
-        self.prefill_fn = (
-            torch.compile(self.net.prefill_layer, fullgraph=True, dynamic=True) if compile else None
-        )
+        self.prefill_fn = compile_prefill(self.net.prefill_layer) if compile else None
         self.span_align = CACHE_ALIGN
 
     @property

@@ -1,4 +1,5 @@
-"""Start `torch.distributed.run` for one node, stream rank 0, report a failing rank.
+"""Start `torch.distributed.run` for one node (or, for one rank, the worker itself), stream
+rank 0, report a failing rank.
 
 Each worker writes `logs/rank_{N}.log` in the run directory (rank 0 also prints to the
 console); torchrun's own lines and rank 0's output reach this process on one pipe, which
@@ -34,6 +35,18 @@ TAIL_LINES = 20
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| (.*)$")
 
 
+def one_process(cfg: Config) -> bool:
+    """A run of one rank on one node starts its worker directly: torchrun's agent would import
+    torch (seconds, before the worker starts its own import) only to start one process."""
+    return cfg.parallel.nnodes == 1 and cfg.parallel.nproc_per_node == 1
+
+
+def worker_command(cfg: Config, config_path: Path) -> list[str]:
+    if one_process(cfg):
+        return [sys.executable, "-m", "trainer.main", str(config_path)]
+    return torchrun_command(cfg, config_path)
+
+
 def torchrun_command(cfg: Config, config_path: Path) -> list[str]:
     p = cfg.parallel
     cmd = [
@@ -66,6 +79,9 @@ def worker_env(cfg: Config) -> dict[str, str]:
     # sizes: expandable segments keep that from fragmenting the cache (a user's setting wins)
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    if one_process(cfg):  # what torchrun would set; no MASTER_ADDR: the worker keeps its store
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0")
+        env.pop("MASTER_ADDR", None)
     if cfg.trainer.compile_cache_dir:  # warm starts: compiled kernels outlive the run
         cache = Path(cfg.trainer.compile_cache_dir).expanduser()
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
@@ -74,24 +90,29 @@ def worker_env(cfg: Config) -> dict[str, str]:
 
 
 def describe_failure(
-    output: str, run_dir: Path, code: int, hang_timeout_s: float
+    output: str, run_dir: Path, code: int, hang_timeout_s: float, direct: bool = False
 ) -> tuple[str, int]:
     """What went wrong, first line first, and the launcher's exit code: a stall (every rank's step
     and phase), a worker's own one-line error (trainer.errors.RunError, its exit code), or the
-    rank that failed first and its last lines."""
+    rank that failed first and its last lines. `direct`: the one worker ran without torchrun,
+    and `code` is its own exit status (negative: the signal that ended it)."""
     beats = read_heartbeats(run_dir)
     if any(b.get("stalled") for b in beats.values()):
         return "error: " + describe_stall(beats, hang_timeout_s), STALL_EXIT_CODE
+    if direct:
+        rank, exitcode, code = 0, code, code if code > 0 else 1
     # torchrun lists every rank it stopped, then the one that failed first: read that one. When
     # that one ended by torchrun's own SIGTERM (it stops the survivors of a failure, and their
     # times can race the real failure's), a rank that ended any other way is the cause.
-    match = FAILED_RANK.search(output[output.rfind("Root Cause") :])
-    if not match:
+    elif match := FAILED_RANK.search(output[output.rfind("Root Cause") :]):
+        rank, exitcode = int(match[1]), int(match[2])
+        if exitcode == -signal.SIGTERM:
+            others = [
+                (int(r), int(c)) for r, c in FAILED_RANK.findall(output) if int(c) != exitcode
+            ]
+            rank, exitcode = others[0] if others else (rank, exitcode)
+    else:
         return f"error: the workers exited with code {code}; logs are in {run_dir / 'logs'}", code
-    rank, exitcode = int(match[1]), int(match[2])
-    if exitcode == -signal.SIGTERM:
-        others = [(int(r), int(c)) for r, c in FAILED_RANK.findall(output) if int(c) != exitcode]
-        rank, exitcode = others[0] if others else (rank, exitcode)
     log = rank_log(run_dir, rank)
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     if exitcode in RUN_ERROR_EXIT_CODES and (
@@ -249,7 +270,7 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, s
     stop_file(run_dir).unlink(missing_ok=True)
     shutil.rmtree(heartbeat_dir(run_dir), ignore_errors=True)  # an earlier run's are not this one's
     proc = subprocess.Popen(
-        torchrun_command(cfg, config_path), env=worker_env(cfg), stdout=subprocess.PIPE,
+        worker_command(cfg, config_path), env=worker_env(cfg), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True, preexec_fn=die_with_launcher,
     )  # fmt: skip
     stop = GracefulStop(proc, run_dir)
@@ -274,7 +295,7 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, s
             )
         return 0, None
     failure, code = describe_failure(
-        "".join(kept[-400:]), run_dir, code, cfg.trainer.hang_timeout_s
+        "".join(kept[-400:]), run_dir, code, cfg.trainer.hang_timeout_s, one_process(cfg)
     )
     print(failure, file=sys.stderr)
     return code, failure.splitlines()[0].removeprefix("error: ")

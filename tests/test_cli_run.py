@@ -143,13 +143,17 @@ def test_kl_and_multiple_updates_and_wandb_unreachable(tmp_path, monkeypatch):
     assert list((run_dir / "wandb").glob("offline-run-*"))
 
 
-def test_killed_worker_stops_the_run_naming_the_rank(tmp_path):
+@pytest.mark.parametrize("layout, rank", [((), 2), (("parallel=single",), 0)])
+def test_killed_worker_stops_the_run_naming_the_rank(layout, rank, tmp_path):
+    """Four ranks under torchrun, and one rank started without it (launcher/torchrun.py,
+    one_process): the same report."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [
             sys.executable,
             str(REPO / "launch.py"),
             "device=cpu",
+            *layout,
             "trainer.max_steps=100000",
             "logger=none",
             f"hydra.run.dir={run_dir}",
@@ -161,7 +165,7 @@ def test_killed_worker_stops_the_run_naming_the_rank(tmp_path):
         text=True,
     )
     try:
-        log = run_dir / "logs" / "rank_2.log"
+        log = run_dir / "logs" / f"rank_{rank}.log"
         deadline = time.time() + 240
         while time.time() < deadline and not (run_dir / "metrics.jsonl").exists():
             time.sleep(0.5)
@@ -173,8 +177,8 @@ def test_killed_worker_stops_the_run_naming_the_rank(tmp_path):
         proc.kill()
     assert proc.returncode != 0
     assert time.time() - killed < 30
-    assert "rank 2 failed (killed by signal 9)" in stderr, stderr[-3000:]
-    assert "rank_2.log" in stderr
+    assert f"rank {rank} failed (killed by signal 9)" in stderr, stderr[-3000:]
+    assert f"rank_{rank}.log" in stderr
 
 
 def test_unknown_reward_and_missing_data_are_rejected_before_start(tmp_path):

@@ -69,13 +69,20 @@ def init_distributed(device_type: str, hang_timeout_s: float) -> torch.device:
     # the watchdog names a stall after hang_timeout_s; the process group's own timeout is the
     # backstop, a minute later
     timeout = datetime.timedelta(seconds=hang_timeout_s + 60)
+    # one rank started without torchrun (launcher/torchrun.py, one_process): an in-process
+    # store, no port to find
+    alone = "MASTER_ADDR" not in os.environ
+    store = dist.HashStore() if alone else None
+    rank, world = (0, 1) if alone else (-1, -1)  # -1: from the environment
     if device_type == "cuda":
         local_rank = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        dist.init_process_group(
+            "nccl", device_id=device, timeout=timeout, store=store, rank=rank, world_size=world
+        )
         return device
-    dist.init_process_group("gloo", timeout=timeout)
+    dist.init_process_group("gloo", timeout=timeout, store=store, rank=rank, world_size=world)
     return torch.device("cpu")
 
 

@@ -269,6 +269,11 @@ class RLConfig:
     # static engine: compile the decode step with torch.compile before capturing it, and the
     # prefill's decoder layer (once, for any batch and prompt width).
     compile_decode: bool = True
+    # static engine: compile the decode step with Inductor's max-autotune (each matmul shape
+    # benchmarked against Triton templates, the fused kernels' block sizes tuned) instead of the
+    # default heuristics. The first compile of each batch size takes longer; the compile cache
+    # (trainer.compile_cache_dir) keeps the choices for the next launch. Needs compile_decode.
+    decode_autotune: bool = False
     # static engine: decode steps attend over the first 1/n, 2/n, ... n/n of the KV cache (the
     # part that holds the tokens so far) instead of all of it every step; each of the n spans is
     # its own compiled, captured step (about a minute of compile each for Qwen3-4B). 1: whole cache.

@@ -120,7 +120,8 @@ def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceili
         torch.manual_seed(0)
         rl, attention = cfg.rl, decode_attention(cfg, device)
         engine = StaticCacheEngine(config, dtype, device, compile=device.type == "cuda",
-                                   spans=rl.decode_spans, attention=attention)  # fmt: skip
+                                   spans=rl.decode_spans, attention=attention,
+                                   autotune=rl.decode_autotune)  # fmt: skip
         sync(device)
         t0 = time.perf_counter()
         engine.generate(prompts, params)  # compiles and captures each span's step
@@ -128,6 +129,7 @@ def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceili
         first = time.perf_counter() - t0
         t = timed(lambda: engine.generate(prompts, params), device)  # noqa: B023 (called here)
         timings.append({"overrides": overrides, "spans": rl.decode_spans, "attention": attention,
+                        "autotune": rl.decode_autotune,
                         "engine_s": t, "first_call_s": first, "engine_over_floor": t / floor})  # fmt: skip
         if profile is not None:
             profile_decode(engine, prompts, params, device, profile.with_suffix(f".{i}.txt"))

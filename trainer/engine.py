@@ -310,14 +310,21 @@ class FusedQwen3:
         self.pos.add_(1)
 
 
+# `rl.decode_autotune`: Inductor's max-autotune without its own CUDA graphs (the steps are
+# captured here): every matmul of the step benchmarked against Triton templates at its shape, the
+# fused elementwise and reduction kernels' block sizes tuned by coordinate descent.
+DECODE_AUTOTUNE: dict[str, Any] = {"max_autotune": True, "coordinate_descent_tuning": True}
+
+
 class CapturedSteps:
     """Decode steps of a `FusedQwen3`, one per attention span: their layer and sampling compiled
     (`compiled`), each step captured once as a CUDA graph for the current buffers (all graphs
     share one memory pool, and run one at a time), replayed every token. `reset` forgets them
     when the buffers or the sampling change."""
 
-    def __init__(self, net: FusedQwen3, compile: bool, cuda_graph: bool):
+    def __init__(self, net: FusedQwen3, compile: bool, cuda_graph: bool, autotune: bool = False):
         self.net, self.compile, self.cuda_graph = net, compile, cuda_graph
+        self.options = DECODE_AUTOTUNE if autotune else None
         self.reset(None)
 
     def reset(self, params: SamplingParams | None) -> None:
@@ -334,8 +341,11 @@ class CapturedSteps:
         step would add is fusion across layer boundaries, one elementwise pass per layer, for L
         times the compile time (about a minute for Qwen3-4B)."""
         if self.compile and self.layer_fn is None:
-            self.layer_fn = torch.compile(self.net.decoder_layer, fullgraph=True, dynamic=False)
-            self.head_fn = torch.compile(sample, fullgraph=True, dynamic=False)
+            opts = self.options
+            self.layer_fn = torch.compile(
+                self.net.decoder_layer, fullgraph=True, dynamic=False, options=opts
+            )
+            self.head_fn = torch.compile(sample, fullgraph=True, dynamic=False, options=opts)
         return self.layer_fn, self.head_fn
 
     def forget_graphs(self) -> None:
@@ -420,12 +430,13 @@ class StaticCacheEngine:
     the static-cache loop."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, compile: bool = True,
-                 cuda_graph: bool | None = None, spans: int = 1, attention: str = "sdpa"):  # fmt: skip
+                 cuda_graph: bool | None = None, spans: int = 1, attention: str = "sdpa",
+                 autotune: bool = False):  # fmt: skip
         self.model = inference_copy(config, dtype, device)
         self.device, self.spans = device, spans
         self.net = FusedQwen3(self.model, dtype, device, attention)
         cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
-        self.steps = CapturedSteps(self.net, compile, cuda_graph)
+        self.steps = CapturedSteps(self.net, compile, cuda_graph, autotune)
         # the prefill's layer, compiled once for any batch and prompt width (it does not depend
         # on the sampling, so it outlives the decode steps' resets)
         self.prefill_fn = compile_prefill(self.net.prefill_layer) if compile else None

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+START_ENV = dict(os.environ)  # the launches' environment (grpo_step_bench)
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -224,20 +225,27 @@ def train_bench(
 
 
 def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, samples: int, prompt: int, new: int,
-                    overrides: list[str], log_to: Path | None = None) -> dict:  # fmt: skip
+                    overrides: list[str], log_to: Path | None = None, compile_cache: str = "") -> dict:  # fmt: skip
     """Two steps through the launcher; step 2's metrics (step 1 compiles and captures), and the
-    wall time from starting `launch.py` to step 1's metrics line (start-up + a cold step 1)."""
+    wall time from starting `launch.py` to step 1's metrics line (start-up + a cold step 1).
+    `compile_cache`: the run's trainer.compile_cache_dir (default: the user's)."""
     with tempfile.TemporaryDirectory() as tmp:
+        cache = [f"trainer.compile_cache_dir={compile_cache}"] if compile_cache else []
         cmd = [sys.executable, str(ROOT / "launch.py"), "parallel=single", f"model={name}", "model.init=random",
                f"device={device.type}", f"data.num_digits={prompt - 1}", f"rl.prompts_per_step={prompts}",
-               f"rl.samples_per_prompt={samples}", f"rl.max_new_tokens={new}", *overrides, "trainer.max_steps=2", "trainer.save_final=false", "trainer.export_hf=false", "logger=none",
+               f"rl.samples_per_prompt={samples}", f"rl.max_new_tokens={new}", *overrides, *cache, "trainer.max_steps=2", "trainer.save_final=false", "trainer.export_hf=false", "logger=none",
                f"hydra.run.dir={tmp}/run"]  # fmt: skip
         metrics = Path(tmp) / "run" / "metrics.jsonl"
         started, first, lines = time.perf_counter(), None, []
         sink = open(log_to or os.devnull, "w")  # each line after the seconds since launch
         trace = Path(tmp) / "trace"  # torch.compile's structured log: what each compile cost
+        # the environment the bench started with: what this process has set since (the train
+        # section's rank variables; Inductor writes its default cache folder into os.environ) is
+        # not the launch's; with `compile_cache`, no cache folder from the environment either
+        own = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if compile_cache else ()
+        env = {k: v for k, v in START_ENV.items() if k not in own}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                bufsize=1, cwd=ROOT, env={**os.environ, "TORCH_TRACE": str(trace)})  # fmt: skip
+                                bufsize=1, cwd=ROOT, env={**env, "TORCH_TRACE": str(trace)})  # fmt: skip
         with sink, proc:
             for line in proc.stdout:  # type: ignore[union-attr]
                 elapsed = time.perf_counter() - started
@@ -331,7 +339,8 @@ def markdown(r: dict) -> str:
     for g in r.get("grpo", []):
         lines += [
             "",
-            f"GRPO step, {g['overrides'] or 'preset defaults'}",
+            f"GRPO step, {g['overrides'] or 'preset defaults'}"
+            + (f", {g['launch']} launch on a fresh compile cache" if g.get("launch") else ""),
             "",
             "| metric | value |",
             "|---|---|",
@@ -380,6 +389,10 @@ def main() -> None:
         "default: one run with the model preset's settings",
     )
     ap.add_argument("--profile", action="store_true", help="(a) and (b): write kernel-time tables")
+    ap.add_argument("--startup", action="store_true",
+                    help="(c): launch the first variant twice on a compile cache of its own (a temporary "
+                    "trainer.compile_cache_dir): a first launch, nothing compiled, then a second, every "
+                    "compile from that cache; both reported (launch to step 1, step 1, its compiles)")  # fmt: skip
     ap.add_argument("--grpo-shape", default="64,8,128,256", metavar="P,G,PROMPT,NEW",
                     help="(c): prompts x samples, prompt tokens, new tokens (GPU)")  # fmt: skip
     args = ap.parse_args()
@@ -443,16 +456,22 @@ def main() -> None:
     if "grpo" not in skip:
         shape = tuple(map(int, args.grpo_shape.split(","))) if gpu else (4, 2, 8, 8)
         r["grpo"] = []
-        for i, variant in enumerate(args.grpo or [""]):
-            try:
-                g = grpo_step_bench(name, config, device, dtype, ceilings, *shape, variant.split(),  # type: ignore[misc]
-                                    out / f"grpo_{i}.log")  # fmt: skip
-            except RuntimeError as e:  # one variant failing (e.g. out of memory) keeps the others
-                if not args.grpo:
-                    raise
-                g = {"overrides": variant, "error": str(e)[-1500:]}
-            r["grpo"].append(g)
-            save("grpo")
+        runs = [(v, "") for v in args.grpo or [""]]
+        if args.startup:  # the first variant launched twice on one fresh compile cache
+            runs = [(runs[0][0], "first"), (runs[0][0], "second"), *runs[1:]]
+        with tempfile.TemporaryDirectory() as cache:
+            for i, (variant, launch) in enumerate(runs):
+                try:
+                    g = grpo_step_bench(name, config, device, dtype, ceilings, *shape, variant.split(),  # type: ignore[misc]
+                                        out / f"grpo_{i}.log", cache if args.startup else "")  # fmt: skip
+                except (
+                    RuntimeError
+                ) as e:  # one variant failing (e.g. out of memory) keeps the others
+                    if not args.grpo and not launch:
+                        raise
+                    g = {"overrides": variant, "error": str(e)[-1500:]}
+                r["grpo"].append({"launch": launch, **g} if launch else g)
+                save("grpo")
     print(markdown(r))
 
 

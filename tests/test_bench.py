@@ -10,8 +10,8 @@ from conftest import REPO, env
 def test_bench_cpu_smoke(tmp_path):
     # (c) with the decoder layers compiled, so that its compile report has something to report
     out = subprocess.run([sys.executable, "scripts/bench.py", "--device", "cpu", "--out", str(tmp_path),
-                          "--grpo", "model.compile=true"], cwd=REPO, env=env(), capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+                          "--grpo", "model.compile=true", "--startup"], cwd=REPO, env=env(), capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     r = json.loads((tmp_path / "bench.json").read_text())
     (decode,) = r["decode"]
@@ -22,7 +22,8 @@ def test_bench_cpu_smoke(tmp_path):
     assert [(v["attention"], v["spans"]) for v in decode["variants"]] == [("sdpa", 3), ("sdpa", 1)]
     (train,) = r["train"]
     assert train["tokens"] == 64 and train["step_s"] > 0 and train["overrides"] == ""
-    (grpo,) = r["grpo"]
+    first, grpo = r["grpo"]  # --startup: two launches on one fresh compile cache
+    assert (first["launch"], grpo["launch"]) == ("first", "second")
     assert grpo["time/step_s"] > 0 and "time/rollout_s" in grpo
     # start-up: launch to step 1's metrics line, the workers' own account of it
     assert grpo["launch_to_step1_s"] > grpo["step1_s"] > 0
@@ -31,5 +32,9 @@ def test_bench_cpu_smoke(tmp_path):
     layer = [c for c in grpo["compiles"] if c["fn"] == "forward_with_checkpointing"]
     assert layer and layer[0]["s"] > 0 and layer[0]["id"] == "0/0"
     assert grpo["compile_s"] >= sum(c["s"] for c in layer)
+    # the first launch compiled the layer from nothing; the second took it from that cache
+    (cold,) = [c for c in first["compiles"] if c["fn"] == "forward_with_checkpointing"]
+    hits, graphs = layer[0]["cache_hits"]["inductor_fx"].split("/")  # "hits/graphs"
+    assert cold["cache_hits"]["inductor_fx"] == f"0/{graphs}" and hits == graphs != "0"
     assert "| forward_with_checkpointing | 0/0 |" in (tmp_path / "bench.md").read_text()
     assert "| decode |" in (tmp_path / "bench.md").read_text()

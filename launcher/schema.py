@@ -269,11 +269,6 @@ class RLConfig:
     # static engine: compile the decode step with torch.compile before capturing it, and the
     # prefill's decoder layer (once, for any batch and prompt width).
     compile_decode: bool = True
-    # static engine: compile the decode step with Inductor's max-autotune (each matmul shape
-    # benchmarked against Triton templates, the fused kernels' block sizes tuned) instead of the
-    # default heuristics. The first compile of each batch size takes longer; the compile cache
-    # (trainer.compile_cache_dir) keeps the choices for the next launch. Needs compile_decode.
-    decode_autotune: bool = False
     # static engine: decode steps attend over the first 1/n, 2/n, ... n/n of the KV cache (the
     # part that holds the tokens so far) instead of all of it every step; each of the n spans is
     # its own compiled, captured step (about a minute of compile each for Qwen3-4B). 1: whole cache.
@@ -345,7 +340,9 @@ class TrainerConfig:
     # Where compiled kernels (TorchInductor's FX graph and autotune caches, Triton's binaries) are
     # kept between runs, shared by every run of this user: a second launch loads the decode steps'
     # and layers' kernels instead of compiling them. "": torch's default (a per-user /tmp folder).
-    # TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR in the environment win.
+    # TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR in the environment win. Where torch's own modules
+    # have no bytecode beside them (an image built with PYTHONDONTWRITEBYTECODE=1 or pip
+    # --no-compile), the workers' bytecode is kept here too (PYTHONPYCACHEPREFIX; a user's wins).
     compile_cache_dir: str = "~/.cache/hsdp-grpo/compile"
     # Every N steps, check that the replica groups of an HSDP layout hold identical parameter
     # shards (a fingerprint per shard, compared across replicas); a difference stops the run

@@ -220,11 +220,6 @@ def validate_rl(cfg: Config) -> None:
         r.decode_spans <= 8,
         f"rl.decode_spans={r.decode_spans} is above 8 (torch.compile's recompile limit); use 1-8",
     )
-    check(
-        r.compile_decode or not r.decode_autotune,
-        "rl.decode_autotune=true tunes the compiled decode step, but rl.compile_decode=false; "
-        "set rl.compile_decode=true or drop rl.decode_autotune",
-    )
     at_least("rl.max_new_tokens", r.max_new_tokens, 1)
     check(
         r.prompts_per_step % dp == 0,

@@ -121,8 +121,7 @@ def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceili
         torch.manual_seed(0)
         rl, attention = cfg.rl, decode_attention(cfg, device)
         engine = StaticCacheEngine(config, dtype, device, compile=device.type == "cuda",
-                                   spans=rl.decode_spans, attention=attention,
-                                   autotune=rl.decode_autotune)  # fmt: skip
+                                   spans=rl.decode_spans, attention=attention)  # fmt: skip
         sync(device)
         t0 = time.perf_counter()
         engine.generate(prompts, params)  # compiles and captures each span's step
@@ -130,7 +129,6 @@ def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceili
         first = time.perf_counter() - t0
         t = timed(lambda: engine.generate(prompts, params), device)  # noqa: B023 (called here)
         timings.append({"overrides": overrides, "spans": rl.decode_spans, "attention": attention,
-                        "autotune": rl.decode_autotune,
                         "engine_s": t, "first_call_s": first, "engine_over_floor": t / floor})  # fmt: skip
         if profile is not None:
             profile_decode(engine, prompts, params, device, profile.with_suffix(f".{i}.txt"))
@@ -297,7 +295,8 @@ def compile_report(trace: Path) -> list[dict]:
                     for k in ("aotautograd", "inductor_fx")}  # fmt: skip
             out.append({"fn": m["co_name"], "id": m["compile_id"], "s": m["entire_frame_compile_time_s"] or 0.0,
                         "backend_s": m["backend_compile_time_s"] or 0.0,
-                        "cache_hits": {k: f"{h}/{n}" for k, (h, n) in hits.items()}})  # fmt: skip
+                        "cache_hits": {k: f"{h}/{n}" for k, (h, n) in hits.items()},
+                        "recompile_reason": (m.get("recompile_reason") or "")[:300]})  # fmt: skip
     return out
 
 
@@ -349,11 +348,12 @@ def markdown(r: dict) -> str:
                   for k, v in g.items() if k not in ("overrides", "error", "compiles")]  # fmt: skip
         lines += [
             "",
-            "| compile | id | s | backend s | cache hits (AOT, FX) |",
-            "|---|---|---|---|---|",
+            "| compile | id | s | backend s | cache hits (AOT, FX) | why it recompiled |",
+            "|---|---|---|---|---|---|",
         ]
         lines += [f"| {c['fn']} | {c['id']} | {c['s']:.2f} | {c['backend_s']:.2f} | "
-                  f"{c['cache_hits']['aotautograd']}, {c['cache_hits']['inductor_fx']} |"
+                  f"{c['cache_hits']['aotautograd']}, {c['cache_hits']['inductor_fx']} | "
+                  f"{c.get('recompile_reason', '').replace('|', '/').replace(chr(10), ' ')} |"
                   for c in g.get("compiles", [])]  # fmt: skip
         lines += [f"failed: {g['error'][-300:]!r}"] if "error" in g else []
     return "\n".join(lines) + "\n"

@@ -33,8 +33,10 @@ def test_bench_cpu_smoke(tmp_path):
     assert layer and layer[0]["s"] > 0 and layer[0]["id"] == "0/0"
     assert grpo["compile_s"] >= sum(c["s"] for c in layer)
     # the first launch compiled the layer from nothing; the second took it from that cache
-    (cold,) = [c for c in first["compiles"] if c["fn"] == "forward_with_checkpointing"]
-    hits, graphs = layer[0]["cache_hits"]["inductor_fx"].split("/")  # "hits/graphs"
-    assert cold["cache_hits"]["inductor_fx"] == f"0/{graphs}" and hits == graphs != "0"
+    cold = [c for c in first["compiles"] if c["fn"] == "forward_with_checkpointing"]
+    assert [c["id"] for c in cold] == [c["id"] for c in layer]
+    for c, w in zip(cold, layer):  # "hits/graphs" (a cold compile counts its backward later)
+        hits, graphs = w["cache_hits"]["inductor_fx"].split("/")
+        assert c["cache_hits"]["inductor_fx"].startswith("0/") and hits == graphs != "0"
     assert "| forward_with_checkpointing | 0/0 |" in (tmp_path / "bench.md").read_text()
     assert "| decode |" in (tmp_path / "bench.md").read_text()

@@ -169,3 +169,44 @@ def test_compiled_kernels_are_cached_where_the_config_says(monkeypatch, tmp_path
     assert worker_env(compose_config())["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert "TORCHINDUCTOR_CACHE_DIR" not in worker_env(compose_config("trainer.compile_cache_dir="))
+
+
+def test_workers_keep_bytecode_under_the_compile_cache_where_the_packages_have_none(
+    monkeypatch, tmp_path
+):
+    """An image built with PYTHONDONTWRITEBYTECODE=1 and no .pyc beside torch compiles every
+    module from source at each worker start: the workers then get PYTHONPYCACHEPREFIX under
+    trainer.compile_cache_dir, and a second process reads what the first wrote there; the
+    packages stay untouched. Bytecode beside the packages, or a user's prefix, is left alone."""
+    import subprocess
+    import sys
+
+    from launcher import torchrun
+    from launcher.torchrun import keep_bytecode, worker_env
+
+    pkg = tmp_path / "site" / "bare"  # a package installed without bytecode
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("VALUE = 7\n")
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setattr(torchrun, "torch_package_dir", lambda: pkg)
+    env = worker_env(compose_config(f"trainer.compile_cache_dir={tmp_path}/cc"))
+    assert env["PYTHONPYCACHEPREFIX"] == f"{tmp_path}/cc/pycache"
+    assert "PYTHONDONTWRITEBYTECODE" not in env
+    env["PYTHONPATH"] = str(tmp_path / "site")
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", "import bare; print(bare.VALUE)"], env=env,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        assert out.stdout == "7\n"
+    assert list((tmp_path / "cc" / "pycache").rglob("bare/__init__*.pyc"))
+    assert not (pkg / "__pycache__").exists()
+
+    base = {"PYTHONDONTWRITEBYTECODE": "1"}
+    (pkg / "__pycache__").mkdir()  # bytecode beside the packages: nothing to do
+    keep_bytecode(env := dict(base), tmp_path / "p", pkg)
+    assert env == base
+    (pkg / "__pycache__").rmdir()
+    keep_bytecode(env := {**base, "PYTHONPYCACHEPREFIX": "/mine"}, tmp_path / "p", pkg)
+    assert env["PYTHONPYCACHEPREFIX"] == "/mine"
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
+    assert "PYTHONPYCACHEPREFIX" not in worker_env(compose_config("trainer.compile_cache_dir="))

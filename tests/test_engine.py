@@ -5,14 +5,7 @@ import torch
 from conftest import compose_config
 from transformers import AutoModelForCausalLM
 
-from trainer.engine import (
-    DECODE_AUTOTUNE,
-    StaticCacheEngine,
-    first_past,
-    sample,
-    sample_full,
-    vocab_chunks,
-)
+from trainer.engine import StaticCacheEngine, first_past, sample, sample_full, vocab_chunks
 from trainer.model import hf_config
 from trainer.rollout import SamplingParams
 from trainer.train import collate, sequence_logprobs
@@ -221,34 +214,6 @@ def test_freed_cache_is_made_again_with_the_same_compiled_step():
     # compiled with dynamic=True equated its batch of 2 with them and compiled again here)
     engine.generate([[5, 6], [7], [8, 9, 10]], params)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == compiled + 2
-
-
-def test_autotuned_decode_step_draws_what_the_default_step_draws():
-    """rl.decode_autotune: the decode step compiled with max-autotune (its own compile, not the
-    default one's cache entry) draws the same tokens with the same log-probs."""
-    import torch._dynamo
-
-    config = hf_config(compose_config().model)
-    params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=4, eos_token_id=258,
-                            pad_token_id=256)  # fmt: skip
-    rows = [[5, 6, 7], [8, 9]]
-    torch._dynamo.reset()
-    drawn = []
-    for autotune in (False, True):
-        torch.manual_seed(0)
-        engine = StaticCacheEngine(config, torch.float32, torch.device("cpu"), autotune=autotune)
-        assert engine.steps.options == (DECODE_AUTOTUNE if autotune else None)
-        torch.manual_seed(1)
-        drawn.append(engine.generate(rows, params))
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        if not autotune:
-            default_graphs = graphs
-    # the prefill's layer is one function for both; the step's layer and sampler compile again
-    assert graphs == default_graphs + 2
-    assert drawn[1].response_ids == drawn[0].response_ids
-    torch.testing.assert_close(
-        torch.cat(drawn[1].sampling_logprobs), torch.cat(drawn[0].sampling_logprobs)
-    )
 
 
 def test_engine_calls_are_cut_evenly_and_padded_to_the_engine_batch():

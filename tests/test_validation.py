@@ -49,11 +49,6 @@ CASES = [
     (["rl.loss_agg=sum"], 0, ["rl.loss_agg='sum'", "token_mean"]),
     (["rl.max_new_tokens=0"], 0, ["rl.max_new_tokens=0"]),
     (["rl.decode_spans=9"], 0, ["rl.decode_spans=9", "use 1-8"]),
-    (
-        ["rl.compile_decode=false", "rl.decode_autotune=true"],
-        0,
-        ["rl.decode_autotune=true", "rl.compile_decode=false", "set rl.compile_decode=true"],
-    ),
     (["rl.decode_attention=flash"], 0, ["rl.decode_attention='flash'", "sdpa, triton"]),
     (
         ["rl.decode_attention=triton", "model.arch.head_dim=24"],

@@ -240,26 +240,19 @@ class FusedQwen3:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype)[:, None], emb.sin().to(self.dtype)[:, None]  # (B, 1, T, d)
 
-    def decoder_layer(self, x, dx, cos, sin, cols_T, mask_B1TK, k_cache, v_cache, qkv_w, qkv_b,
-                      q_norm, k_norm, o_w, norm1, norm2, gate_up_w, down_w):  # fmt: skip
+    def decoder_layer(self, x, cos, sin, cols_T, mask_B1TK, k_cache, v_cache, qkv_w, qkv_b,
+                      q_norm, k_norm, o_w, norm1, norm2, gate_up_w, down_w) -> torch.Tensor:  # fmt: skip
         """One decoder layer on tensors alone (no layer index), so that one compiled function
-        serves all L layers: a decode step compiles one layer, not L of them.
-
-        The residual stream comes in two parts, `x + dx` (the last layer's MLP output `dx` not
-        yet added), and leaves the same way: the add is fused into this layer's first norm
-        instead of running as its own kernel at the end of the last one (one compiled layer
-        cannot fuse across its own boundary). The q and k heads are normed and rotated together
-        (one kernel, the q heads' weight for the first nq heads, the k heads' for the rest)."""
+        serves all L layers: a decode step compiles one layer, not L of them."""
         cfg, eps = self.config, self.config.rms_norm_eps
         b, t, _ = x.shape
         hd, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        x = x + dx
         h = rms_norm(x, norm1, eps)
-        qk, v = F.linear(h, qkv_w, qkv_b).split([(nq + nkv) * hd, nkv * hd], dim=-1)
-        qk_norm = torch.cat((q_norm.expand(nq, hd), k_norm.expand(nkv, hd)))
-        qk = rms_norm(qk.view(b, t, nq + nkv, hd), qk_norm, eps).transpose(1, 2)
-        q, k = rotate(qk, cos, sin).split([nq, nkv], dim=1)
+        q, k, v = F.linear(h, qkv_w, qkv_b).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        q = rms_norm(q.view(b, t, nq, hd), q_norm, eps).transpose(1, 2)
+        k = rms_norm(k.view(b, t, nkv, hd), k_norm, eps).transpose(1, 2)
         v = v.view(b, t, nkv, hd).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         k_cache.index_copy_(2, cols_T, k)
         v_cache.index_copy_(2, cols_T, v)
         g = nq // nkv
@@ -281,9 +274,9 @@ class FusedQwen3:
             ).view(b, nq, t, hd)  # fmt: skip
         x = x + F.linear(o.transpose(1, 2).reshape(b, t, nq * hd), o_w)
         gate, up = F.linear(rms_norm(x, norm2, eps), gate_up_w).chunk(2, dim=-1)
-        return x, F.linear(F.silu(gate) * up, down_w)
+        return x + F.linear(F.silu(gate) * up, down_w)
 
-    def prefill_layer(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill_layer(self, *args) -> torch.Tensor:
         """`decoder_layer` under its own name, so that the prefill's compile (dynamic over the
         batch and the prompt width: one compile for every step's prompts) keeps its cache entries
         apart from the decode step's static ones (torch.compile counts recompiles per function)."""
@@ -299,12 +292,10 @@ class FusedQwen3:
         m, layer_fn = self.model.model, layer_fn or self.decoder_layer
         cos, sin = self.rope(pos_BT)
         x = m.embed_tokens(ids_BT)
-        dx = torch.zeros_like(x)
         for i in range(len(m.layers)):
-            x, dx = layer_fn(x, dx, cos, sin, cols_T, mask_B1TK, self.k_cache[i], self.v_cache[i],
-                             *self.layer_weights[i])  # fmt: skip
-        last = x[:, -1] + dx[:, -1]
-        return self.model.lm_head(rms_norm(last, m.norm.weight, self.config.rms_norm_eps))
+            x = layer_fn(x, cos, sin, cols_T, mask_B1TK, self.k_cache[i], self.v_cache[i],
+                         *self.layer_weights[i])  # fmt: skip
+        return self.model.lm_head(rms_norm(x[:, -1], m.norm.weight, self.config.rms_norm_eps))
 
     def decode_step(self, span: int, params: SamplingParams, layer_fn: Callable | None = None,
                     head_fn: Callable | None = None) -> None:  # fmt: skip
@@ -319,21 +310,14 @@ class FusedQwen3:
         self.pos.add_(1)
 
 
-# `rl.decode_autotune`: Inductor's max-autotune without its own CUDA graphs (the steps are
-# captured here): every matmul of the step benchmarked against Triton templates at its shape, the
-# fused elementwise and reduction kernels' block sizes tuned by coordinate descent.
-DECODE_AUTOTUNE: dict[str, Any] = {"max_autotune": True, "coordinate_descent_tuning": True}
-
-
 class CapturedSteps:
     """Decode steps of a `FusedQwen3`, one per attention span: their layer and sampling compiled
     (`compiled`), each step captured once as a CUDA graph for the current buffers (all graphs
     share one memory pool, and run one at a time), replayed every token. `reset` forgets them
     when the buffers or the sampling change."""
 
-    def __init__(self, net: FusedQwen3, compile: bool, cuda_graph: bool, autotune: bool = False):
+    def __init__(self, net: FusedQwen3, compile: bool, cuda_graph: bool):
         self.net, self.compile, self.cuda_graph = net, compile, cuda_graph
-        self.options = DECODE_AUTOTUNE if autotune else None
         self.reset(None)
 
     def reset(self, params: SamplingParams | None) -> None:
@@ -350,11 +334,8 @@ class CapturedSteps:
         step would add is fusion across layer boundaries, one elementwise pass per layer, for L
         times the compile time (about a minute for Qwen3-4B)."""
         if self.compile and self.layer_fn is None:
-            opts = self.options
-            self.layer_fn = torch.compile(
-                self.net.decoder_layer, fullgraph=True, dynamic=False, options=opts
-            )
-            self.head_fn = torch.compile(sample, fullgraph=True, dynamic=False, options=opts)
+            self.layer_fn = torch.compile(self.net.decoder_layer, fullgraph=True, dynamic=False)
+            self.head_fn = torch.compile(sample, fullgraph=True, dynamic=False)
         return self.layer_fn, self.head_fn
 
     def forget_graphs(self) -> None:
@@ -402,10 +383,9 @@ class CapturedSteps:
 
 
 # The prefill layer's arguments whose sizes vary between calls, and which of their dims do: the
-# batch, the prompt width and the cache length (`FusedQwen3.decoder_layer`'s first 8 arguments).
+# batch, the prompt width and the cache length (`FusedQwen3.decoder_layer`'s first 7 arguments).
 PREFILL_DYNAMIC_DIMS = (
     (0, 1),  # x: B, T, hidden
-    (0, 1),  # dx
     (0, 2),  # cos: B, 1, T, head_dim
     (0, 2),  # sin
     (0,),  # cols_T
@@ -426,7 +406,7 @@ def compile_prefill(layer_fn: Callable) -> Callable:
 
     compiled = torch.compile(layer_fn, fullgraph=True)
 
-    def call(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def call(*args: torch.Tensor) -> torch.Tensor:
         for t, dims in zip(args, PREFILL_DYNAMIC_DIMS):
             for d in dims:
                 torch._dynamo.maybe_mark_dynamic(t, d)
@@ -440,13 +420,12 @@ class StaticCacheEngine:
     the static-cache loop."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, compile: bool = True,
-                 cuda_graph: bool | None = None, spans: int = 1, attention: str = "sdpa",
-                 autotune: bool = False):  # fmt: skip
+                 cuda_graph: bool | None = None, spans: int = 1, attention: str = "sdpa"):  # fmt: skip
         self.model = inference_copy(config, dtype, device)
         self.device, self.spans = device, spans
         self.net = FusedQwen3(self.model, dtype, device, attention)
         cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
-        self.steps = CapturedSteps(self.net, compile, cuda_graph, autotune)
+        self.steps = CapturedSteps(self.net, compile, cuda_graph)
         # the prefill's layer, compiled once for any batch and prompt width (it does not depend
         # on the sampling, so it outlives the decode steps' resets)
         self.prefill_fn = compile_prefill(self.net.prefill_layer) if compile else None

@@ -229,8 +229,7 @@ def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
     dtype = compute_dtype(cfg.model, device.type)
     if kind == "static":
         return StaticCacheEngine(config, dtype, device, compile=cfg.rl.compile_decode,
-                                 spans=cfg.rl.decode_spans, attention=decode_attention(cfg, device),
-                                 autotune=cfg.rl.decode_autotune)  # fmt: skip
+                                 spans=cfg.rl.decode_spans, attention=decode_attention(cfg, device))  # fmt: skip
     return HFRolloutEngine(config, dtype, device, cfg.model.attn_implementation)
 
 

@@ -106,9 +106,11 @@ def keep_bytecode(env: dict[str, str], prefix: Path, package_dir: Path | None) -
     from bytecode). Then `PYTHONPYCACHEPREFIX` keeps their bytecode under the compile cache (not
     in the installed packages), written by the first launch and read by every later one. Left
     alone where bytecode exists or the user chose a prefix."""
-    if env.get("PYTHONPYCACHEPREFIX") or package_dir is None:
-        return
-    if (package_dir / "__pycache__").is_dir():
+    if (
+        env.get("PYTHONPYCACHEPREFIX")
+        or package_dir is None
+        or (package_dir / "__pycache__").is_dir()
+    ):
         return
     env["PYTHONPYCACHEPREFIX"] = str(prefix)
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # the prefix keeps the packages as they were

@@ -464,9 +464,8 @@ def main() -> None:
                 try:
                     g = grpo_step_bench(name, config, device, dtype, ceilings, *shape, variant.split(),  # type: ignore[misc]
                                         out / f"grpo_{i}.log", cache if args.startup else "")  # fmt: skip
-                except (
-                    RuntimeError
-                ) as e:  # one variant failing (e.g. out of memory) keeps the others
+                except RuntimeError as e:
+                    # one variant failing (e.g. out of memory) keeps the others
                     if not args.grpo and not launch:
                         raise
                     g = {"overrides": variant, "error": str(e)[-1500:]}

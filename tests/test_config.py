@@ -194,11 +194,14 @@ def test_workers_keep_bytecode_under_the_compile_cache_where_the_packages_have_n
     assert env["PYTHONPYCACHEPREFIX"] == f"{tmp_path}/cc/pycache"
     assert "PYTHONDONTWRITEBYTECODE" not in env
     env["PYTHONPATH"] = str(tmp_path / "site")
+    written = []
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", "import bare; print(bare.VALUE)"], env=env,
                              capture_output=True, text=True, check=True)  # fmt: skip
         assert out.stdout == "7\n"
-    assert list((tmp_path / "cc" / "pycache").rglob("bare/__init__*.pyc"))
+        (pyc,) = (tmp_path / "cc" / "pycache").rglob("bare/__init__*.pyc")
+        written.append(pyc.stat().st_mtime_ns)
+    assert written[0] == written[1]  # the second process read the first one's bytecode
     assert not (pkg / "__pycache__").exists()
 
     base = {"PYTHONDONTWRITEBYTECODE": "1"}

@@ -83,12 +83,17 @@ def worker_env(cfg: Config) -> dict[str, str]:
     if one_process(cfg):  # what torchrun would set; no MASTER_ADDR: the worker keeps its store
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0")
         env.pop("MASTER_ADDR", None)
-    if cfg.trainer.compile_cache_dir:  # warm starts: compiled kernels outlive the run
-        cache = Path(cfg.trainer.compile_cache_dir).expanduser()
+    if cache := compile_cache(cfg):  # warm starts: compiled kernels outlive the run
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
         env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
         keep_bytecode(env, cache / "pycache", torch_package_dir())
     return env
+
+
+def compile_cache(cfg: Config) -> Path | None:
+    return (
+        Path(cfg.trainer.compile_cache_dir).expanduser() if cfg.trainer.compile_cache_dir else None
+    )
 
 
 def torch_package_dir() -> Path | None:
@@ -102,10 +107,12 @@ def keep_bytecode(env: dict[str, str], prefix: Path, package_dir: Path | None) -
     """Give the workers a bytecode cache of their own where the environment keeps none: torch's
     modules have no `__pycache__` beside them (an image built with PYTHONDONTWRITEBYTECODE=1 or
     pip --no-compile, often read-only), so every worker compiles torch, transformers and the
-    rest from source at each start (13 s of a worker's imports on the H200 machine, against 3
+    rest from source at each start (13 s of a worker's imports on the H200 machine, against 7
     from bytecode). Then `PYTHONPYCACHEPREFIX` keeps their bytecode under the compile cache (not
-    in the installed packages), written by the first launch and read by every later one. Left
-    alone where bytecode exists or the user chose a prefix."""
+    in the installed packages). A first launch finds no prefix: its workers only read it, since
+    writing some 5,000 files as they import cost them 8 s there (`write_bytecode` fills it
+    beside them); later launches read it and add what is missing. Left alone where bytecode
+    exists or the user chose a prefix."""
     if (
         env.get("PYTHONPYCACHEPREFIX")
         or package_dir is None
@@ -113,7 +120,46 @@ def keep_bytecode(env: dict[str, str], prefix: Path, package_dir: Path | None) -
     ):
         return
     env["PYTHONPYCACHEPREFIX"] = str(prefix)
-    env.pop("PYTHONDONTWRITEBYTECODE", None)  # the prefix keeps the packages as they were
+    if prefix.is_dir():
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # the prefix keeps the packages as they were
+    else:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+
+
+# What a worker imports before its first step: at start-up, and at its first compile (Dynamo,
+# Inductor and Triton's code generation).
+WORKER_IMPORTS = (
+    "trainer.main",
+    "trainer.train",
+    "transformers.models.qwen3.modeling_qwen3",
+    "torch._inductor.compile_fx",
+    "torch._inductor.codegen.triton",
+    "torch._inductor.runtime.triton_heuristics",
+)
+WRITE_BYTECODE = """import importlib, os, sys
+os.nice(10)
+for name in sys.argv[1:]:
+    try:  # only a cache: a module that fails to import here is left to the workers
+        importlib.import_module(name)
+    except Exception:
+        pass
+"""
+
+
+def write_bytecode(
+    env: dict[str, str], prefix: Path | None, modules: tuple[str, ...] = WORKER_IMPORTS
+) -> subprocess.Popen | None:
+    """On a first launch (`keep_bytecode` gave the workers `prefix`, which does not exist yet),
+    start a low-priority process that imports what the workers import and writes its bytecode
+    under `prefix`, beside the workers and off their path (one core; about 20 s on the H200
+    machine). It is not waited for: a run that ends first leaves the rest to the next launch."""
+    if prefix is None or env.get("PYTHONPYCACHEPREFIX") != str(prefix) or prefix.exists():
+        return None
+    writer_env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITE_BYTECODE, *modules], env=writer_env, stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
 
 
 def describe_failure(
@@ -296,8 +342,11 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, s
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     stop_file(run_dir).unlink(missing_ok=True)
     shutil.rmtree(heartbeat_dir(run_dir), ignore_errors=True)  # an earlier run's are not this one's
+    env = worker_env(cfg)
+    cache = compile_cache(cfg)
+    write_bytecode(env, cache / "pycache" if cache else None)
     proc = subprocess.Popen(
-        worker_command(cfg, config_path), env=worker_env(cfg), stdout=subprocess.PIPE,
+        worker_command(cfg, config_path), env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True, preexec_fn=die_with_launcher,
     )  # fmt: skip
     stop = GracefulStop(proc, run_dir)

@@ -281,15 +281,23 @@ def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, sa
 
 def compile_report(trace: Path) -> list[dict]:
     """Each torch.compile of rank 0 in a TORCH_TRACE folder, in order: the function, its compile id
-    (frame/recompile), the seconds it took (Dynamo's trace and the backend together), and how many
+    (frame/recompile), the seconds it took (Dynamo's trace and the backend together; a backward,
+    compiled at the first backward through that graph, is its own row), and how many
     of its AOTAutograd and Inductor FX graphs came from the on-disk cache (a warm start's compiles
     should all be hits: what they still cost is tracing and loading)."""
-    out = []
+    out: list[dict] = []
     for path in sorted(trace.glob("*rank_0*.log")):
         for line in path.read_text().splitlines():
-            if '{"compilation_metrics"' not in line:
+            backward = '{"bwd_compilation_metrics"' in line  # compiled at the first backward
+            if '{"compilation_metrics"' not in line and not backward:
                 continue
-            m = json.loads(line[line.index("{") :])["compilation_metrics"]
+            m = json.loads(line[line.index("{") :])[
+                "bwd_compilation_metrics" if backward else "compilation_metrics"
+            ]
+            if backward:
+                fn = next((c["fn"] for c in out if c["id"] == m["compile_id"]), "?")
+                m = {**m, "co_name": f"{fn} (backward)", "entire_frame_compile_time_s": (m.get("duration_us") or 0) / 1e6,
+                     "backend_compile_time_s": m.get("inductor_compile_time_s")}  # fmt: skip
             hits = {k: (m.get(f"{k}_local_cache_hit_count") or 0,
                         (m.get(f"{k}_local_cache_hit_count") or 0) + (m.get(f"{k}_local_cache_miss_count") or 0))
                     for k in ("aotautograd", "inductor_fx")}  # fmt: skip

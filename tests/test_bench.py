@@ -38,5 +38,8 @@ def test_bench_cpu_smoke(tmp_path):
     for c, w in zip(cold, layer):  # "hits/graphs" (a cold compile counts its backward later)
         hits, graphs = w["cache_hits"]["inductor_fx"].split("/")
         assert c["cache_hits"]["inductor_fx"].startswith("0/") and hits == graphs != "0"
+    # each graph's backward, compiled at its first backward, is a row of its own
+    back = [c for c in first["compiles"] if c["fn"] == "forward_with_checkpointing (backward)"]
+    assert back and back[0]["id"] == "0/0" and back[0]["s"] > 0
     assert "| forward_with_checkpointing | 0/0 |" in (tmp_path / "bench.md").read_text()
     assert "| decode |" in (tmp_path / "bench.md").read_text()

@@ -176,13 +176,14 @@ def test_workers_keep_bytecode_under_the_compile_cache_where_the_packages_have_n
 ):
     """An image built with PYTHONDONTWRITEBYTECODE=1 and no .pyc beside torch compiles every
     module from source at each worker start: the workers then get PYTHONPYCACHEPREFIX under
-    trainer.compile_cache_dir, and a second process reads what the first wrote there; the
-    packages stay untouched. Bytecode beside the packages, or a user's prefix, is left alone."""
+    trainer.compile_cache_dir. A first launch's workers only read it while a process beside them
+    writes it; a later launch's read it (and may add to it). The packages stay untouched.
+    Bytecode beside the packages, or a user's prefix, is left alone."""
     import subprocess
     import sys
 
     from launcher import torchrun
-    from launcher.torchrun import keep_bytecode, worker_env
+    from launcher.torchrun import keep_bytecode, worker_env, write_bytecode
 
     pkg = tmp_path / "site" / "bare"  # a package installed without bytecode
     pkg.mkdir(parents=True)
@@ -190,18 +191,31 @@ def test_workers_keep_bytecode_under_the_compile_cache_where_the_packages_have_n
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
     monkeypatch.setattr(torchrun, "torch_package_dir", lambda: pkg)
-    env = worker_env(compose_config(f"trainer.compile_cache_dir={tmp_path}/cc"))
-    assert env["PYTHONPYCACHEPREFIX"] == f"{tmp_path}/cc/pycache"
-    assert "PYTHONDONTWRITEBYTECODE" not in env
-    env["PYTHONPATH"] = str(tmp_path / "site")
-    written = []
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", "import bare; print(bare.VALUE)"], env=env,
+    prefix = tmp_path / "cc" / "pycache"
+    cfg = compose_config(f"trainer.compile_cache_dir={tmp_path}/cc")
+
+    def run_worker(env: dict[str, str]) -> None:
+        out = subprocess.run([sys.executable, "-c", "import bare; print(bare.VALUE)"],
+                             env={**env, "PYTHONPATH": str(tmp_path / "site")},
                              capture_output=True, text=True, check=True)  # fmt: skip
         assert out.stdout == "7\n"
-        (pyc,) = (tmp_path / "cc" / "pycache").rglob("bare/__init__*.pyc")
-        written.append(pyc.stat().st_mtime_ns)
-    assert written[0] == written[1]  # the second process read the first one's bytecode
+
+    first = worker_env(cfg)  # a first launch: read only, nothing there yet
+    assert first["PYTHONPYCACHEPREFIX"] == str(prefix)
+    assert first["PYTHONDONTWRITEBYTECODE"] == "1"
+    run_worker(first)
+    assert not prefix.exists()
+    writer = write_bytecode({**first, "PYTHONPATH": str(tmp_path / "site")}, prefix, ("bare",))
+    assert writer is not None and writer.wait(timeout=60) == 0
+    (pyc,) = prefix.rglob("bare/__init__*.pyc")
+    written = pyc.stat().st_mtime_ns
+
+    later = worker_env(cfg)  # the prefix exists: read it, write what is missing
+    assert later["PYTHONPYCACHEPREFIX"] == str(prefix)
+    assert "PYTHONDONTWRITEBYTECODE" not in later
+    assert write_bytecode(later, prefix) is None  # no second writer
+    run_worker(later)
+    assert pyc.stat().st_mtime_ns == written  # read, not rewritten
     assert not (pkg / "__pycache__").exists()
 
     base = {"PYTHONDONTWRITEBYTECODE": "1"}
@@ -211,5 +225,6 @@ def test_workers_keep_bytecode_under_the_compile_cache_where_the_packages_have_n
     (pkg / "__pycache__").rmdir()
     keep_bytecode(env := {**base, "PYTHONPYCACHEPREFIX": "/mine"}, tmp_path / "p", pkg)
     assert env["PYTHONPYCACHEPREFIX"] == "/mine"
+    assert write_bytecode(env, tmp_path / "p") is None  # the user's prefix is not written
     monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
     assert "PYTHONPYCACHEPREFIX" not in worker_env(compose_config("trainer.compile_cache_dir="))

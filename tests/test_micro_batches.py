@@ -40,6 +40,29 @@ def test_token_budget_split_is_exact_complete_balanced(seed):
         assert sum(mb.empty for mb in plan) == max(0, count - len(lengths))
 
 
+def test_token_budget_split_of_equal_rows_is_even():
+    """512 rows of 384 tokens under 8,192 tokens need 25 micro-batches: 12 of 21 rows and 13 of
+    20, not 24 of 21 and one of 8 (a small last micro-batch runs the GPU below its rate)."""
+    plan = split([384] * 512, local_count([384] * 512, 4, 8192), 8192)
+    assert sorted(len(mb.rows) for mb in plan) == [20] * 13 + [21] * 12
+    plan = split([7] * 10, 4, 100)  # a count above the need: still even
+    assert sorted(len(mb.rows) for mb in plan) == [2, 2, 3, 3]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_token_budget_split_of_mixed_rows_has_no_small_remainder(seed):
+    """Mixed lengths, as responses that end at EOS make them: every micro-batch within the
+    budget, and none below half the mean cost (packing each to the budget left one that small)."""
+    rng = random.Random(100 + seed)
+    lengths = [rng.randint(50, 400) for _ in range(rng.randint(40, 200))]
+    plan = split(lengths, local_count(lengths, 4, 4096), 4096)
+    costs = [cost(lengths, mb) for mb in plan]
+    assert max(costs) <= 4096 and sorted(i for mb in plan for i in mb.rows.tolist()) == list(
+        range(len(lengths))
+    )
+    assert min(costs) >= 0.5 * sum(costs) / len(costs)
+
+
 def test_response_split_sizes_differ_by_at_most_one():
     plan = split([5] * 10, 4, max_tokens=0)
     assert [len(mb.rows) for mb in plan] == [3, 3, 2, 2]

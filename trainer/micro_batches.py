@@ -16,8 +16,8 @@ Two ways of cutting, chosen by `rl.micro_batch_tokens`:
   length L costs m x L tokens (it is cut to its longest row). A rank needs as many as greedy
   packing under the budget makes (a row longer than the budget runs alone); the rows are then
   cut into `count` consecutive runs of the sorted order minimising the largest cost (binary
-  search on the cap, greedy check), so the work is balanced across the count, not packed to
-  the budget and left with a small remainder.
+  search on the cap, greedy check), then cut as evenly as that cap allows (`_even_runs`), so the
+  work is balanced across the count, not packed to the budget and left with a small remainder.
 """
 
 from __future__ import annotations
@@ -58,6 +58,33 @@ def _runs_under_cap(lengths_sorted: list[int], cap: int) -> list[tuple[int, int]
     return runs
 
 
+def _even_runs(lengths_sorted: list[int], cap: int, k: int) -> list[tuple[int, int]]:
+    """Exactly k runs [start, end) of the longest-first lengths (k <= len), each within `cap`
+    (a row longer than it alone), as even as that allows: each run takes its share of what is
+    left (tokens left over runs left), then more if the rest would not fit the runs after it.
+    Packing each run to the cap instead leaves a small last one (512 rows of 384 tokens under
+    8,192 tokens: 24 runs of 21 rows and one of 8, against 12 of 21 and 13 of 20 here)."""
+    n = len(lengths_sorted)
+    # after[e]: how many runs the greedy packing under `cap` needs for rows e.. (the fewest any
+    # packing needs), right to left: a run from e takes cap // length rows (its first is longest)
+    after = [0] * (n + 1)
+    for e in range(n - 1, -1, -1):
+        after[e] = 1 + after[min(n, e + max(1, cap // max(1, lengths_sorted[e])))]
+    left = sum(lengths_sorted)
+    runs, start = [], 0
+    for m in range(k, 1, -1):  # m runs left, this one included
+        first = max(1, lengths_sorted[start])
+        most = min(start + max(1, cap // first), n - (m - 1))
+        share = max(1, round(left / m / first))
+        end = min(start + share, most)
+        while after[end] > m - 1:  # the rest must fit the runs after this one
+            end += 1
+        runs.append((start, end))
+        left -= sum(lengths_sorted[start:end])
+        start = end
+    return [*runs, (start, n)] if k else []
+
+
 def local_count(lengths: list[int], max_responses: int, max_tokens: int) -> int:
     """Micro-batches this rank needs on its own for rows of these lengths (0 for no rows)."""
     if not lengths:
@@ -90,14 +117,7 @@ def split(lengths: list[int], count: int, max_tokens: int) -> list[MicroBatch]:
                 hi = mid
             else:
                 lo = mid + 1
-        runs = _runs_under_cap(lengths_sorted, lo) if n else []
-        while len(runs) < min(count, n):  # more runs than needed: halve the costliest
-            k = max(
-                (k for k, (s, e) in enumerate(runs) if e - s > 1),
-                key=lambda k: (runs[k][1] - runs[k][0]) * lengths_sorted[runs[k][0]],
-            )
-            s, e = runs[k]
-            runs[k : k + 1] = [(s, (s + e) // 2), ((s + e) // 2, e)]
+        runs = _even_runs(lengths_sorted, lo, min(count, n))
         groups = [order[s:e] for s, e in runs]
         groups += [[] for _ in range(count - len(groups))]
     return [

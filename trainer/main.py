@@ -159,18 +159,6 @@ def main(config_path: str) -> None:
     exit_process(exit_code)
 
 
-def warm_compile_pool() -> None:
-    """Start Inductor's pool of compile processes now, not at the first compile. Torch starts it
-    when its first graph reaches Inductor, and until the pool has imported torch (seconds; more on
-    a first launch, whose workers import from source) that graph's Triton kernels are compiled
-    one after another in this process. Started here, it imports while the model is built."""
-    try:
-        from torch._inductor.async_compile import maybe_warm_pool
-    except ImportError:  # a torch without it starts the pool at the first compile, as before
-        return
-    maybe_warm_pool()
-
-
 def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
     # where start-up time goes, printed before step 1 (the imports: torch, transformers, trainer)
     laps = [("start", IMPORTED_FROM), ("imports", time.perf_counter())]
@@ -179,8 +167,6 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
         torch.use_deterministic_algorithms(True)
     watchdog.phase(0, "process group")
     device = init_distributed(cfg.device, cfg.trainer.hang_timeout_s)
-    if device.type == "cuda" and (cfg.model.compile or cfg.rl.compile_decode):
-        warm_compile_pool()
     ps = ParallelState.build(device, cfg.parallel.dp_replicate_size, cfg.parallel.cp_size)
     if ps.dp_shard_size != cfg.parallel.dp_shard_size:  # the launcher checked R x S = ranks
         raise RunError(

@@ -228,3 +228,27 @@ def test_workers_keep_bytecode_under_the_compile_cache_where_the_packages_have_n
     assert write_bytecode(env, tmp_path / "p") is None  # the user's prefix is not written
     monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
     assert "PYTHONPYCACHEPREFIX" not in worker_env(compose_config("trainer.compile_cache_dir="))
+
+
+def test_a_first_launch_writes_bytecode_once_rank_0_is_ready(monkeypatch, tmp_path):
+    """The bytecode writer starts when rank 0 prints its `ready after` line (the workers'
+    imports are done: the writer beside them had slowed them), while they still run; once only;
+    and where no such line comes (another node's launcher), when the workers end."""
+    from launcher import torchrun
+
+    calls = []
+    monkeypatch.setattr(
+        torchrun, "write_bytecode", lambda env, prefix: calls.append((prefix, done.exists()))
+    )
+    done = tmp_path / "done"
+    cfg = compose_config(f"trainer.compile_cache_dir={tmp_path}/cc")
+    for ready in (True, False):
+        done.unlink(missing_ok=True)
+        calls.clear()
+        lines = ["ready after 1.0 s in this process", "step 1/1 | loss 0"] if ready else []
+        worker = (f"import pathlib, time\nfor line in {lines!r}: print(line, flush=True)\n"
+                  f"time.sleep(1)\npathlib.Path({str(done)!r}).touch()")  # fmt: skip
+        command = [sys.executable, "-c", worker]
+        monkeypatch.setattr(torchrun, "worker_command", lambda c, p, command=command: command)
+        assert torchrun.start_workers(cfg, tmp_path / "config.yaml", tmp_path / "run") == (0, None)
+        assert calls == [(tmp_path / "cc" / "pycache", not ready)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -43,7 +44,10 @@ def heartbeat_interval(hang_timeout_s: float) -> float:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Readers see the old file or the new one. The temporary file is this thread's own: a
+    rank's main thread and its watchdog both write its heartbeat, and with one name per process
+    one thread's rename took the file the other had just written (FileNotFoundError)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(data))
     os.replace(tmp, path)
 

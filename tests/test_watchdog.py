@@ -55,3 +55,31 @@ def test_the_watchdog_dumps_stacks_and_exits_when_a_phase_outlasts_the_timeout(t
     assert "in waiting_in_a_collective" in log  # the main thread's stack
     (b,) = read_heartbeats(tmp_path).values()
     assert b["stalled"] and b["step"] == 7
+
+
+def test_heartbeats_written_from_two_threads_at_once_never_fail(tmp_path):
+    """A rank's main thread (entering a phase) and its watchdog thread (every few seconds) both
+    rewrite its heartbeat: concurrent writes leave one whole file and raise nothing (with one
+    temporary file per process, one thread's rename took the other's: FileNotFoundError)."""
+    import json
+    import threading
+
+    from launcher.run_folder import write_json_atomic
+
+    path, errors = tmp_path / "rank_0.json", []
+
+    def write(who: int) -> None:
+        try:
+            for i in range(2000):
+                write_json_atomic(path, {"who": who, "i": i})
+        except OSError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert json.loads(path.read_text())["i"] == 1999
+    assert [p.name for p in tmp_path.iterdir()] == ["rank_0.json"]  # no temporary file left

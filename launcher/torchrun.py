@@ -112,8 +112,8 @@ def keep_bytecode(env: dict[str, str], prefix: Path, package_dir: Path | None) -
     from bytecode). Then `PYTHONPYCACHEPREFIX` keeps their bytecode under the compile cache (not
     in the installed packages). A first launch finds no prefix: its workers only read it, since
     writing some 5,000 files as they import cost them 8 s there (`write_bytecode` fills it once
-    their start-up is done); later launches read it and add what is missing. Left alone where bytecode
-    exists or the user chose a prefix."""
+    their start-up is done); later launches read it and add what is missing. Left alone where
+    bytecode exists or the user chose a prefix."""
     if (
         env.get("PYTHONPYCACHEPREFIX")
         or package_dir is None

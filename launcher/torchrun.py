@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from launcher.run_folder import (
+    READY_LINE,
     RUN_ERROR_EXIT_CODES,
     STALL_EXIT_CODE,
     describe_stall,
@@ -34,7 +35,6 @@ from launcher.schema import Config
 FAILED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 TAIL_LINES = 20
 STEP_LINE = re.compile(r"^step (\d+)/(\d+) \| (.*)$")
-READY_LINE = "ready after "  # rank 0's start-up done (trainer/main.py)
 
 
 def one_process(cfg: Config) -> bool:
@@ -87,7 +87,7 @@ def worker_env(cfg: Config) -> dict[str, str]:
     if cache := compile_cache(cfg):  # warm starts: compiled kernels outlive the run
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
         env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
-        keep_bytecode(env, cache / "pycache", torch_package_dir())
+        keep_bytecode(env, bytecode_dir(cache), torch_package_dir())
     return env
 
 
@@ -95,6 +95,11 @@ def compile_cache(cfg: Config) -> Path | None:
     return (
         Path(cfg.trainer.compile_cache_dir).expanduser() if cfg.trainer.compile_cache_dir else None
     )
+
+
+def bytecode_dir(cache: Path) -> Path:
+    """The workers' bytecode folder in the compile cache (`keep_bytecode` decides if it is used)."""
+    return cache / "pycache"
 
 
 def torch_package_dir() -> Path | None:
@@ -148,7 +153,7 @@ for name in sys.argv[1:]:
 
 
 def write_bytecode(
-    env: dict[str, str], prefix: Path | None, modules: tuple[str, ...] = WORKER_IMPORTS
+    env: dict[str, str], prefix: Path, modules: tuple[str, ...] = WORKER_IMPORTS
 ) -> subprocess.Popen | None:
     """On a first launch (`keep_bytecode` gave the workers `prefix`, which does not exist yet),
     start a low-priority process that imports what the workers import and writes its bytecode
@@ -156,7 +161,7 @@ def write_bytecode(
     reports its start-up done (or when the workers end without that line, as on another node's
     launcher): started with them, beside their own imports, it had them take 15.6-16.1 s there
     against 12.8-14.6 s without it. It is not waited for."""
-    if prefix is None or env.get("PYTHONPYCACHEPREFIX") != str(prefix) or prefix.exists():
+    if env.get("PYTHONPYCACHEPREFIX") != str(prefix) or prefix.exists():
         return None
     writer_env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
     return subprocess.Popen(
@@ -347,14 +352,7 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, s
     shutil.rmtree(heartbeat_dir(run_dir), ignore_errors=True)  # an earlier run's are not this one's
     env = worker_env(cfg)
     cache = compile_cache(cfg)
-    writer_due = True
-
-    def write_bytecode_once() -> None:
-        nonlocal writer_due
-        if writer_due:
-            writer_due = False
-            write_bytecode(env, cache / "pycache" if cache else None)
-
+    bytecode = bytecode_dir(cache) if cache else None  # until `write_bytecode` has been called
     proc = subprocess.Popen(
         worker_command(cfg, config_path), env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True, preexec_fn=die_with_launcher,
@@ -369,14 +367,16 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, s
                 console.write(line)
                 log.write(line)
                 kept.append(line)
-                if writer_due and line.startswith(READY_LINE):  # imports done: off their path
-                    write_bytecode_once()
+                if bytecode and line.startswith(READY_LINE):  # imports done: off their path
+                    write_bytecode(env, bytecode)
+                    bytecode = None
     finally:
         console.close()
         code = proc.wait()
         monitor.close()
         stopped = stop.restore()
-        write_bytecode_once()  # no ready line here: another node's launcher, or a failure
+        if bytecode:  # no ready line here: another node's launcher, or a failure
+            write_bytecode(env, bytecode)
     if code == 0:
         if stopped:
             print(

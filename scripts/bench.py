@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from launcher.counting import count_params  # noqa: E402
+from launcher.run_folder import READY_LINE  # noqa: E402
 from launcher.torchrun import STEP_LINE  # noqa: E402
 from trainer.perf import train_flops  # noqa: E402
 
@@ -269,7 +270,7 @@ def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, sa
         for k, v in last.items()
         if k.startswith(("time/", "perf/", "rollout/", "train/rollout_"))
     }
-    ready = [line for line in text.splitlines() if line.startswith("ready after")]
+    ready = [line for line in text.splitlines() if line.startswith(READY_LINE)]
     return {"overrides": " ".join(overrides), "shape": f"{prompts}x{samples}, prompt {prompt}, {new} new",
             **out, "floor_s": floor, "step_over_floor": last["time/step_s"] / floor,
             "launch_to_step1_s": first or float("nan"), "step1_s": rows[0]["time/step_s"],

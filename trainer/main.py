@@ -23,6 +23,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from launcher import schema  # noqa: E402
+from launcher.run_folder import READY_LINE  # noqa: E402
 from trainer.data import load_task  # noqa: E402
 from trainer.errors import RunError  # noqa: E402
 from trainer.model import CausalLM, build_model, hf_config  # noqa: E402
@@ -198,7 +199,7 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
                 f"{name} {t - laps[i][1]:.1f} s" for i, (name, t) in enumerate(laps[1:])
             )
             print(
-                f"ready after {laps[-1][1] - laps[0][1]:.1f} s in this process: {parts}", flush=True
+                f"{READY_LINE}{laps[-1][1] - laps[0][1]:.1f} s in this process: {parts}", flush=True
             )
         if cfg.parity_check:
             from trainer import parity

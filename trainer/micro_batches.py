@@ -46,14 +46,17 @@ class MicroBatch:
         return len(self.rows) * self.width
 
 
+def _run_end(lengths_sorted: list[int], start: int, cap: int) -> int:
+    """End of the longest run from `start` of the longest-first lengths whose cost (rows x its
+    first, longest, length) is within `cap`; a row longer than `cap` runs alone."""
+    return min(len(lengths_sorted), start + max(1, cap // max(1, lengths_sorted[start])))
+
+
 def _runs_under_cap(lengths_sorted: list[int], cap: int) -> list[tuple[int, int]]:
-    """Greedy runs [start, end) of the longest-first lengths with (end - start) x first <= cap."""
-    runs, start, n = [], 0, len(lengths_sorted)
-    while start < n:
-        end = start + 1
-        while end < n and (end - start + 1) * lengths_sorted[start] <= cap:
-            end += 1
-        runs.append((start, end))
+    """Greedy runs [start, end) of the longest-first lengths, each as long as `cap` allows."""
+    runs, start = [], 0
+    while start < len(lengths_sorted):
+        runs.append((start, end := _run_end(lengths_sorted, start, cap)))
         start = end
     return runs
 
@@ -66,16 +69,15 @@ def _even_runs(lengths_sorted: list[int], cap: int, k: int) -> list[tuple[int, i
     8,192 tokens: 24 runs of 21 rows and one of 8, against 12 of 21 and 13 of 20 here)."""
     n = len(lengths_sorted)
     # after[e]: how many runs the greedy packing under `cap` needs for rows e.. (the fewest any
-    # packing needs), right to left: a run from e takes cap // length rows (its first is longest)
+    # packing needs), right to left
     after = [0] * (n + 1)
     for e in range(n - 1, -1, -1):
-        after[e] = 1 + after[min(n, e + max(1, cap // max(1, lengths_sorted[e])))]
+        after[e] = 1 + after[_run_end(lengths_sorted, e, cap)]
     left = sum(lengths_sorted)
     runs, start = [], 0
     for m in range(k, 1, -1):  # m runs left, this one included
-        first = max(1, lengths_sorted[start])
-        most = min(start + max(1, cap // first), n - (m - 1))
-        share = max(1, round(left / m / first))
+        most = min(_run_end(lengths_sorted, start, cap), n - (m - 1))
+        share = max(1, round(left / m / max(1, lengths_sorted[start])))
         end = min(start + share, most)
         while after[end] > m - 1:  # the rest must fit the runs after this one
             end += 1

@@ -23,8 +23,8 @@ from pathlib import Path
 BAD_INPUT_EXIT_CODE, RUN_FAULT_EXIT_CODE = 2, 3
 RUN_ERROR_EXIT_CODES = (BAD_INPUT_EXIT_CODE, RUN_FAULT_EXIT_CODE)
 STALL_EXIT_CODE = 124
-# Rank 0's line when its start-up is done (imports, process group, model, engine): the launcher
-# starts the bytecode writer on it, bench.py reads the start-up's split from it.
+# Rank 0's line when its start-up is done (imports, process group, model, engine); bench.py
+# reads the start-up's split from it.
 READY_LINE = "ready after "
 
 

@@ -9,7 +9,6 @@ is echoed here and kept in `logs/launcher.log`.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 import re
 import shutil
@@ -20,8 +19,8 @@ import threading
 import time
 from pathlib import Path
 
+from launcher import bytecode
 from launcher.run_folder import (
-    READY_LINE,
     RUN_ERROR_EXIT_CODES,
     STALL_EXIT_CODE,
     describe_stall,
@@ -87,7 +86,7 @@ def worker_env(cfg: Config) -> dict[str, str]:
     if cache := compile_cache(cfg):  # warm starts: compiled kernels outlive the run
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
         env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
-        keep_bytecode(env, bytecode_dir(cache), torch_package_dir())
+        bytecode.keep_bytecode(env, bytecode_dir(cache), bytecode.package_dir())
     return env
 
 
@@ -100,74 +99,6 @@ def compile_cache(cfg: Config) -> Path | None:
 def bytecode_dir(cache: Path) -> Path:
     """The workers' bytecode folder in the compile cache (`keep_bytecode` decides if it is used)."""
     return cache / "pycache"
-
-
-def torch_package_dir() -> Path | None:
-    """Where `import torch` reads its modules from, found without importing it (the launcher
-    starts before torch is needed)."""
-    spec = importlib.util.find_spec("torch")
-    return Path(spec.origin).parent if spec and spec.origin else None
-
-
-def keep_bytecode(env: dict[str, str], prefix: Path, package_dir: Path | None) -> None:
-    """Give the workers a bytecode cache of their own where the environment keeps none: torch's
-    modules have no `__pycache__` beside them (an image built with PYTHONDONTWRITEBYTECODE=1 or
-    pip --no-compile, often read-only), so every worker compiles torch, transformers and the
-    rest from source at each start (13 s of a worker's imports on the H200 machine, against 7
-    from bytecode). Then `PYTHONPYCACHEPREFIX` keeps their bytecode under the compile cache (not
-    in the installed packages). A first launch finds no prefix: its workers only read it, since
-    writing some 5,000 files as they import cost them 8 s there (`write_bytecode` fills it once
-    their start-up is done); later launches read it and add what is missing. Left alone where
-    bytecode exists or the user chose a prefix."""
-    if (
-        env.get("PYTHONPYCACHEPREFIX")
-        or package_dir is None
-        or (package_dir / "__pycache__").is_dir()
-    ):
-        return
-    env["PYTHONPYCACHEPREFIX"] = str(prefix)
-    if prefix.is_dir():
-        env.pop("PYTHONDONTWRITEBYTECODE", None)  # the prefix keeps the packages as they were
-    else:
-        env["PYTHONDONTWRITEBYTECODE"] = "1"
-
-
-# What a worker imports before its first step: at start-up, and at its first compile (Dynamo,
-# Inductor and Triton's code generation).
-WORKER_IMPORTS = (
-    "trainer.main",
-    "trainer.train",
-    "transformers.models.qwen3.modeling_qwen3",
-    "torch._inductor.compile_fx",
-    "torch._inductor.codegen.triton",
-    "torch._inductor.runtime.triton_heuristics",
-)
-WRITE_BYTECODE = """import importlib, os, sys
-os.nice(10)
-for name in sys.argv[1:]:
-    try:  # only a cache: a module that fails to import here is left to the workers
-        importlib.import_module(name)
-    except Exception:
-        pass
-"""
-
-
-def write_bytecode(
-    env: dict[str, str], prefix: Path, modules: tuple[str, ...] = WORKER_IMPORTS
-) -> subprocess.Popen | None:
-    """On a first launch (`keep_bytecode` gave the workers `prefix`, which does not exist yet),
-    start a low-priority process that imports what the workers import and writes its bytecode
-    under `prefix` (one core, about 20 s on the H200 machine). The launcher starts it when rank 0
-    reports its start-up done (or when the workers end without that line, as on another node's
-    launcher): started with them, beside their own imports, it had them take 15.6-16.1 s there
-    against 12.8-14.6 s without it. It is not waited for."""
-    if env.get("PYTHONPYCACHEPREFIX") != str(prefix) or prefix.exists():
-        return None
-    writer_env = {k: v for k, v in env.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    return subprocess.Popen(
-        [sys.executable, "-c", WRITE_BYTECODE, *modules], env=writer_env, stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
 
 
 def describe_failure(
@@ -351,8 +282,9 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, s
     stop_file(run_dir).unlink(missing_ok=True)
     shutil.rmtree(heartbeat_dir(run_dir), ignore_errors=True)  # an earlier run's are not this one's
     env = worker_env(cfg)
-    cache = compile_cache(cfg)
-    bytecode = bytecode_dir(cache) if cache else None  # until `write_bytecode` has been called
+    if (cache := compile_cache(cfg)) and bytecode.needs_fill(env, prefix := bytecode_dir(cache)):
+        written, seconds = bytecode.fill(prefix, bytecode.sources())
+        print(f"first launch: {written} modules compiled to bytecode in {seconds:.1f} s ({prefix})")
     proc = subprocess.Popen(
         worker_command(cfg, config_path), env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True, preexec_fn=die_with_launcher,
@@ -367,16 +299,11 @@ def start_workers(cfg: Config, config_path: Path, run_dir: Path) -> tuple[int, s
                 console.write(line)
                 log.write(line)
                 kept.append(line)
-                if bytecode and line.startswith(READY_LINE):  # imports done: off their path
-                    write_bytecode(env, bytecode)
-                    bytecode = None
     finally:
         console.close()
         code = proc.wait()
         monitor.close()
         stopped = stop.restore()
-        if bytecode:  # no ready line here: another node's launcher, or a failure
-            write_bytecode(env, bytecode)
     if code == 0:
         if stopped:
             print(

@@ -1,7 +1,9 @@
 """Every preset composes to the layout its name promises; the CLI shows it; docs are current."""
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import CONF, REPO, compose_config, env, launch
@@ -171,84 +173,100 @@ def test_compiled_kernels_are_cached_where_the_config_says(monkeypatch, tmp_path
     assert "TORCHINDUCTOR_CACHE_DIR" not in worker_env(compose_config("trainer.compile_cache_dir="))
 
 
-def test_workers_keep_bytecode_under_the_compile_cache_where_the_packages_have_none(
-    monkeypatch, tmp_path
-):
+def test_a_first_launch_compiles_the_workers_bytecode_before_they_start(monkeypatch, tmp_path):
     """An image built with PYTHONDONTWRITEBYTECODE=1 and no .pyc beside torch compiles every
     module from source at each worker start: the workers then get PYTHONPYCACHEPREFIX under
-    trainer.compile_cache_dir. A first launch's workers only read it while a process beside them
-    writes it; a later launch's read it (and may add to it). The packages stay untouched.
-    Bytecode beside the packages, or a user's prefix, is left alone."""
-    import subprocess
-    import sys
+    trainer.compile_cache_dir. A first launch fills it (every core) before any worker starts;
+    the workers read it and write only what it lacks; a later launch does not fill it again. The
+    packages stay untouched. Bytecode beside the packages, or a user's prefix, is left alone."""
+    from launcher import bytecode, torchrun
+    from launcher.bytecode import keep_bytecode, needs_fill, sources
 
-    from launcher import torchrun
-    from launcher.torchrun import keep_bytecode, worker_env, write_bytecode
-
-    pkg = tmp_path / "site" / "bare"  # a package installed without bytecode
-    pkg.mkdir(parents=True)
+    site = tmp_path / "site"
+    pkg = site / "bare"  # a package installed without bytecode
+    (pkg / "tests").mkdir(parents=True)
     (pkg / "__init__.py").write_text("VALUE = 7\n")
+    (pkg / "tests" / "test_bare.py").write_text("X = 1\n")  # never imported: not compiled
+    (pkg / "broken.py").write_text("def (:\n")  # does not compile: left to the importer
+    (site / "extra.py").write_text("VALUE = 8\n")  # not in the list: the worker writes it
+    std = tmp_path / "std"  # a standard library of one module
+    std.mkdir()
+    (std / "stdmod.py").write_text("Y = 2\n")
+    monkeypatch.syspath_prepend(str(site))
+    files = sources(("bare", "not_installed"), std)
+    assert sorted(f.relative_to(tmp_path).as_posix() for f in files) == [
+        "site/bare/__init__.py", "site/bare/broken.py", "std/stdmod.py"]  # fmt: skip
+    monkeypatch.setattr(bytecode, "sources", lambda: files)
+    monkeypatch.setattr(bytecode, "package_dir", lambda: pkg)
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("PYTHONPATH", str(site))
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
-    monkeypatch.setattr(torchrun, "torch_package_dir", lambda: pkg)
     prefix = tmp_path / "cc" / "pycache"
     cfg = compose_config(f"trainer.compile_cache_dir={tmp_path}/cc")
+    env = torchrun.worker_env(cfg)
+    assert env["PYTHONPYCACHEPREFIX"] == str(prefix) and "PYTHONDONTWRITEBYTECODE" not in env
+    assert needs_fill(env, prefix)
 
-    def run_worker(env: dict[str, str]) -> None:
-        out = subprocess.run([sys.executable, "-c", "import bare; print(bare.VALUE)"],
-                             env={**env, "PYTHONPATH": str(tmp_path / "site")},
-                             capture_output=True, text=True, check=True)  # fmt: skip
-        assert out.stdout == "7\n"
+    seen = tmp_path / "seen.json"  # what the worker found when it started
+    worker = f"""import importlib.util, json, os, sys
+cached = lambda name: importlib.util.cache_from_source(importlib.util.find_spec(name).origin)
+found = {{n: os.path.exists(cached(n)) for n in ("bare", "extra")}}
+import bare, extra
+json.dump({{"found": found, "prefix": sys.pycache_prefix}}, open({str(seen)!r}, "w"))"""
+    monkeypatch.setattr(torchrun, "worker_command", lambda c, p: [sys.executable, "-c", worker])
 
-    first = worker_env(cfg)  # a first launch: read only, nothing there yet
-    assert first["PYTHONPYCACHEPREFIX"] == str(prefix)
-    assert first["PYTHONDONTWRITEBYTECODE"] == "1"
-    run_worker(first)
-    assert not prefix.exists()
-    writer = write_bytecode({**first, "PYTHONPATH": str(tmp_path / "site")}, prefix, ("bare",))
-    assert writer is not None and writer.wait(timeout=60) == 0
-    (pyc,) = prefix.rglob("bare/__init__*.pyc")
-    written = pyc.stat().st_mtime_ns
+    def cached(src: Path) -> Path:  # where a worker with the prefix reads and writes its bytecode
+        return (
+            prefix
+            / src.parent.relative_to(src.anchor)
+            / f"{src.stem}.{sys.implementation.cache_tag}.pyc"
+        )
 
-    later = worker_env(cfg)  # the prefix exists: read it, write what is missing
-    assert later["PYTHONPYCACHEPREFIX"] == str(prefix)
-    assert "PYTHONDONTWRITEBYTECODE" not in later
-    assert write_bytecode(later, prefix) is None  # no second writer
-    run_worker(later)
-    assert pyc.stat().st_mtime_ns == written  # read, not rewritten
-    assert not (pkg / "__pycache__").exists()
+    written: dict[str, int] = {}
+    for nth in ("first", "second"):
+        assert torchrun.start_workers(cfg, tmp_path / "config.yaml", tmp_path / "run") == (0, None)
+        result = json.loads(seen.read_text())
+        assert result["prefix"] == str(prefix)
+        assert result["found"] == {"bare": True, "extra": nth == "second"}  # filled first
+        assert not cached(pkg / "broken.py").exists()
+        assert not cached(pkg / "tests" / "test_bare.py").exists()
+        now = {n: cached(f).stat().st_mtime_ns for n, f in
+               (("bare", pkg / "__init__.py"), ("extra", site / "extra.py"), ("std", std / "stdmod.py"))}  # fmt: skip
+        assert all(now[k] == written[k] for k in written)  # read, not rewritten, by the next launch
+        written = now
+    assert not any(site.rglob("__pycache__")) and not any(std.rglob("__pycache__"))
 
     base = {"PYTHONDONTWRITEBYTECODE": "1"}
     (pkg / "__pycache__").mkdir()  # bytecode beside the packages: nothing to do
     keep_bytecode(env := dict(base), tmp_path / "p", pkg)
-    assert env == base
+    assert env == base and not needs_fill(env, tmp_path / "p")
     (pkg / "__pycache__").rmdir()
     keep_bytecode(env := {**base, "PYTHONPYCACHEPREFIX": "/mine"}, tmp_path / "p", pkg)
     assert env["PYTHONPYCACHEPREFIX"] == "/mine"
-    assert write_bytecode(env, tmp_path / "p") is None  # the user's prefix is not written
+    assert not needs_fill(env, tmp_path / "p")  # the user's prefix is not filled
     monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
-    assert "PYTHONPYCACHEPREFIX" not in worker_env(compose_config("trainer.compile_cache_dir="))
-
-
-def test_a_first_launch_writes_bytecode_once_rank_0_is_ready(monkeypatch, tmp_path):
-    """The bytecode writer starts when rank 0 prints its `ready after` line (the workers'
-    imports are done: the writer beside them had slowed them), while they still run; once only;
-    and where no such line comes (another node's launcher), when the workers end."""
-    from launcher import torchrun
-
-    calls = []
-    monkeypatch.setattr(
-        torchrun, "write_bytecode", lambda env, prefix: calls.append((prefix, done.exists()))
+    assert "PYTHONPYCACHEPREFIX" not in torchrun.worker_env(
+        compose_config("trainer.compile_cache_dir=")
     )
-    done = tmp_path / "done"
-    cfg = compose_config(f"trainer.compile_cache_dir={tmp_path}/cc")
-    for ready in (True, False):
-        done.unlink(missing_ok=True)
-        calls.clear()
-        lines = ["ready after 1.0 s in this process", "step 1/1 | loss 0"] if ready else []
-        worker = (f"import pathlib, time\nfor line in {lines!r}: print(line, flush=True)\n"
-                  f"time.sleep(1)\npathlib.Path({str(done)!r}).touch()")  # fmt: skip
-        command = [sys.executable, "-c", worker]
-        monkeypatch.setattr(torchrun, "worker_command", lambda c, p, command=command: command)
-        assert torchrun.start_workers(cfg, tmp_path / "config.yaml", tmp_path / "run") == (0, None)
-        assert calls == [(tmp_path / "cc" / "pycache", not ready)]
+
+
+def test_the_bytecode_fill_covers_what_a_worker_imports():
+    """`launcher.bytecode.PACKAGES` (with the standard library) is the list a first launch
+    compiles: it must hold what a worker imports at start-up and at its first compile, or those
+    modules are compiled from source in every worker. This project's own modules (the workers
+    write those) and the environment's import hooks are not in it."""
+    from launcher.bytecode import sources
+
+    code = """import json, sys
+import trainer.main, trainer.train, transformers.models.qwen3.modeling_qwen3
+import torch._inductor.compile_fx, torch._inductor.codegen.triton
+print(json.dumps([m.__file__ for m in list(sys.modules.values())
+                  if str(getattr(m, "__file__", "")).endswith(".py")]))"""
+    out = subprocess.run([sys.executable, "-c", code], env=env(), cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    own = tuple(f"{REPO / d}/" for d in ("trainer", "launcher"))
+    imported = [f for f in json.loads(out.splitlines()[-1]) if not f.startswith(own)]
+    compiled = {str(f) for f in sources()}
+    missing = [f for f in imported if f not in compiled]
+    assert len(imported) > 1000
+    assert len(missing) <= 0.01 * len(imported), missing

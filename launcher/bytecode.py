@@ -23,7 +23,7 @@ from pathlib import Path
 
 # The top-level packages a worker imports (start-up, model, Dynamo/Inductor/Triton's code
 # generation, logging), whole; sklearn and scipy because transformers imports them where they are
-# installed. tests/test_launch.py checks that these cover what `trainer.main` and a compile import.
+# installed. tests/test_config.py checks that these cover what `trainer.main` and a compile import.
 PACKAGES = (
     "torch", "torchgen", "functorch", "triton", "sympy", "mpmath", "networkx", "numpy",
     "jinja2", "markupsafe", "filelock", "fsspec", "transformers", "huggingface_hub",

@@ -278,6 +278,10 @@ class RLConfig:
     # reads only the filled columns, split over the cache where the batch is too small to fill the
     # GPU; one compiled step; needs a GPU and Triton).
     decode_attention: str = choice("auto", "auto", "sdpa", "triton")
+    # static engine, sampling without a top-k or top-p cut: auto (triton on a GPU with Triton
+    # installed, else torch), triton (trainer/sample_kernel.py: two kernels, one read of the bf16
+    # logits, no torch.compile), torch (the chunked sampler in trainer/engine.py, compiled).
+    sample_kernel: str = choice("auto", "auto", "triton", "torch")
 
 
 @dataclass

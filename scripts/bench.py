@@ -112,7 +112,7 @@ def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceili
 
     from trainer.engine import StaticCacheEngine
     from trainer.rollout import SamplingParams
-    from trainer.train import decode_attention
+    from trainer.train import engine_options
 
     prompts = torch.randint(0, min(config.vocab_size, 150_000), (batch, prompt)).tolist()
     params = SamplingParams(1.0, 1.0, new, eos_token_id=-1, pad_token_id=0)  # no EOS: all steps run
@@ -120,9 +120,9 @@ def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceili
     timings = []
     for i, (overrides, cfg) in enumerate(variants):
         torch.manual_seed(0)
-        rl, attention = cfg.rl, decode_attention(cfg, device)
-        engine = StaticCacheEngine(config, dtype, device, compile=device.type == "cuda",
-                                   spans=rl.decode_spans, attention=attention)  # fmt: skip
+        options = {**engine_options(cfg, device), "compile": device.type == "cuda"}
+        rl, attention = cfg.rl, options["attention"]
+        engine = StaticCacheEngine(config, dtype, device, **options)
         sync(device)
         t0 = time.perf_counter()
         engine.generate(prompts, params)  # compiles and captures each span's step
@@ -130,7 +130,8 @@ def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceili
         first = time.perf_counter() - t0
         t = timed(lambda: engine.generate(prompts, params), device)  # noqa: B023 (called here)
         timings.append({"overrides": overrides, "spans": rl.decode_spans, "attention": attention,
-                        "engine_s": t, "first_call_s": first, "engine_over_floor": t / floor})  # fmt: skip
+                        "sampler": options["sampler"], "engine_s": t, "first_call_s": first,
+                        "engine_over_floor": t / floor})  # fmt: skip
         if profile is not None:
             profile_decode(engine, prompts, params, device, profile.with_suffix(f".{i}.txt"))
         if i != len(variants) - 1:

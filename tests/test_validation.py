@@ -173,17 +173,20 @@ def test_cli_valid_overrides_pass_the_precheck():
     assert out.stdout.count("hsdp-grpo plan:") == 2
 
 
-def test_triton_attention_on_a_gpu_without_triton_says_how_to_fix(monkeypatch):
+@pytest.mark.parametrize(
+    "key, other", [("rl.decode_attention", "sdpa"), ("rl.sample_kernel", "torch")]
+)
+def test_a_triton_kernel_on_a_gpu_without_triton_says_how_to_fix(monkeypatch, key, other):
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a)
     )
-    cfg = compose_config("parallel=single", "device=cuda", "rl.decode_attention=triton")
-    with pytest.raises(ConfigError, match="Triton is not installed.*rl.decode_attention=sdpa"):
+    cfg = compose_config("parallel=single", "device=cuda", f"{key}=triton")
+    with pytest.raises(ConfigError, match=f"Triton is not installed.*{key}={other}"):
         validate(cfg, visible_gpus=1)
-    validate(compose_config("device=cpu", "rl.decode_attention=triton"), visible_gpus=0)  # unused
+    validate(compose_config("device=cpu", f"{key}=triton"), visible_gpus=0)  # unused on CPU
 
 
 def test_an_uncached_hub_dataset_offline_is_one_line_before_start(tmp_path, monkeypatch):

@@ -12,6 +12,8 @@ keeps that the only work, in four pieces, one job each:
 - `sample`: temperature / top-k / top-p sampling (or greedy, per row) and the sampled token's
   log-prob under the distribution it was drawn from; without a cut, `sample_full`: one pass
   over the logits in vocabulary chunks and one uniform draw per row (inverting the CDF).
+  On GPUs `sample_full` is two Triton kernels (trainer/sample_kernel.py, `sampler="triton"`),
+  not compiled by torch.compile.
 - `CapturedSteps`: each decode step (all layers, the lm_head, sampling), its decoder layer and
   sampler compiled by torch.compile (one compile serves all layers), captured once as a CUDA
   graph per (span, cache length), then replayed every token with no Python or launch overhead.
@@ -28,6 +30,7 @@ t into cache column W + t; a per-sequence key mask hides the padding.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +40,7 @@ from torch import nn
 
 from launcher.memory import CACHE_ALIGN  # cache lengths and spans end on a multiple of it
 from trainer import decode_attention as triton_attention
+from trainer import sample_kernel
 from trainer.model import CausalLM
 from trainer.rollout import (
     Rollout,
@@ -74,13 +78,25 @@ def fuse_rows(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | No
     return weight, bias
 
 
+def uncut(params: SamplingParams) -> bool:
+    """No top-k or top-p cut: the whole softmax is sampled (`sample_full`)."""
+    return params.top_k == 0 and params.top_p >= 1.0
+
+
 def sample(
-    logits_BV: torch.Tensor, params: SamplingParams, greedy_B: torch.Tensor | None = None
+    logits_BV: torch.Tensor,
+    params: SamplingParams,
+    greedy_B: torch.Tensor | None = None,
+    kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw from softmax(logits / T) cut to the top-k tokens and the top-p nucleus and
     renormalised; return the token and its log-prob under that distribution, the one it was
-    really drawn from. Rows where `greedy_B` is set take the argmax instead."""
-    if params.top_k == 0 and params.top_p >= 1.0:
+    really drawn from. Rows where `greedy_B` is set take the argmax instead. `kernel`: without a
+    cut, the Triton kernels of trainer/sample_kernel.py (`load()` first) instead of
+    `sample_full`."""
+    if uncut(params):
+        if kernel:
+            return sample_kernel.sample_full(logits_BV, params.temperature, greedy_B)
         return sample_full(logits_BV, params.temperature, greedy_B)
     z = logits_BV.float() / params.temperature
     if params.top_k > 0:
@@ -142,7 +158,8 @@ def sample_full(
     u_B1 = (torch.rand(b, device=logits_BV.device) * total_B)[:, None]
     cum_BC = w_BC.cumsum(-1)
     j_B1 = first_past(cum_BC, u_B1)
-    r_B1 = u_B1 - (cum_BC.gather(-1, j_B1) - w_BC.gather(-1, j_B1))  # u's place inside chunk j
+    # u's place inside chunk j, at least 0 (rounding must not land it on a leading token of no mass)
+    r_B1 = (u_B1 - (cum_BC.gather(-1, j_B1) - w_BC.gather(-1, j_B1))).clamp(min=0.0)
     token_B = (j_B1 * k + first_past((chunk(j_B1) - mx_B1).exp().cumsum(-1), r_B1)).squeeze(-1)
     if greedy_B is not None:  # the first maximum: the first chunk holding it, its first column
         best_B1 = m_BC.argmax(-1, keepdim=True)
@@ -316,8 +333,9 @@ class CapturedSteps:
     share one memory pool, and run one at a time), replayed every token. `reset` forgets them
     when the buffers or the sampling change."""
 
-    def __init__(self, net: FusedQwen3, compile: bool, cuda_graph: bool):
+    def __init__(self, net: FusedQwen3, compile: bool, cuda_graph: bool, kernel_sampler: bool):
         self.net, self.compile, self.cuda_graph = net, compile, cuda_graph
+        self.kernel_sampler = kernel_sampler  # sampling without a cut by the Triton kernels
         self.reset(None)
 
     def reset(self, params: SamplingParams | None) -> None:
@@ -330,12 +348,18 @@ class CapturedSteps:
     def compiled(self) -> tuple[Callable | None, Callable | None]:
         """The decode step's two compiled parts: one decoder layer (called L times with each
         layer's tensors: one compile for all layers, once per span's width) and the lm_head's
-        sampling. The CUDA graph then captures all L layers' kernels; what compiling the whole
-        step would add is fusion across layer boundaries, one elementwise pass per layer, for L
-        times the compile time (about a minute for Qwen3-4B)."""
+        sampling (or, without a cut and with `kernel_sampler`, the Triton sampler, uncompiled).
+        The CUDA graph then captures all L layers' kernels; what compiling the whole step would
+        add is fusion across layer boundaries, one elementwise pass per layer, for L times the
+        compile time (about a minute for Qwen3-4B)."""
         if self.compile and self.layer_fn is None:
             self.layer_fn = torch.compile(self.net.decoder_layer, fullgraph=True, dynamic=False)
-            self.head_fn = torch.compile(sample, fullgraph=True, dynamic=False)
+        if self.head_fn is None:
+            assert self.params is not None, "reset(params) first"
+            if self.kernel_sampler and uncut(self.params):
+                self.head_fn = functools.partial(sample, kernel=True)
+            elif self.compile:
+                self.head_fn = torch.compile(sample, fullgraph=True, dynamic=False)
         return self.layer_fn, self.head_fn
 
     def forget_graphs(self) -> None:
@@ -420,12 +444,17 @@ class StaticCacheEngine:
     the static-cache loop."""
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, compile: bool = True,
-                 cuda_graph: bool | None = None, spans: int = 1, attention: str = "sdpa"):  # fmt: skip
+                 cuda_graph: bool | None = None, spans: int = 1, attention: str = "sdpa",
+                 sampler: str = "torch"):  # fmt: skip
         self.model = inference_copy(config, dtype, device)
         self.device, self.spans = device, spans
         self.net = FusedQwen3(self.model, dtype, device, attention)
         cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
-        self.steps = CapturedSteps(self.net, compile, cuda_graph)
+        # sampler: "triton" (trainer/sample_kernel.py, where nothing is cut) or "torch"
+        self.kernel_sampler = sampler == "triton"
+        if self.kernel_sampler:
+            sample_kernel.load()
+        self.steps = CapturedSteps(self.net, compile, cuda_graph, self.kernel_sampler)
         # the prefill's layer, compiled once for any batch and prompt width (it does not depend
         # on the sampling, so it outlives the decode steps' resets)
         self.prefill_fn = compile_prefill(self.net.prefill_layer) if compile else None
@@ -489,7 +518,8 @@ class StaticCacheEngine:
         cols = torch.arange(width, device=self.device)
         mask = prefill_bias(net.key_valid[:, :width], net.dtype)
         net.greedy.copy_(torch.tensor(greedy or [False] * b, dtype=torch.bool))
-        token, logp = sample(net.forward(ids, pos, cols, mask, self.prefill_fn), params, net.greedy)
+        logits = net.forward(ids, pos, cols, mask, self.prefill_fn)
+        token, logp = sample(logits, params, net.greedy, kernel=self.kernel_sampler)
         tokens_BN = torch.empty((b, new), dtype=torch.long, device=self.device)
         logps_BN = torch.empty((b, new), dtype=torch.float32, device=self.device)
         tokens_BN[:, 0], logps_BN[:, 0] = token, logp

@@ -203,11 +203,17 @@ class StepProfile:
         self.path.write_text("\n".join(self.sections))
 
 
-def use_logprob_kernel(cfg: Config, device: torch.device) -> bool:
-    """`rl.logprob_kernel=auto`: the Triton kernel on a GPU where Triton is installed."""
-    if cfg.rl.logprob_kernel != "auto":
-        return cfg.rl.logprob_kernel == "triton"
+def triton_chosen(choice: str, device: torch.device) -> bool:
+    """A kernel choice of `auto`, `triton` or `torch`: auto is Triton on a GPU where Triton is
+    installed."""
+    if choice != "auto":
+        return choice == "triton"
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def use_logprob_kernel(cfg: Config, device: torch.device) -> bool:
+    """`rl.logprob_kernel`: the Triton kernel (auto: on a GPU where Triton is installed)."""
+    return triton_chosen(cfg.rl.logprob_kernel, device)
 
 
 def decode_attention(cfg: Config, device: torch.device) -> str:
@@ -221,6 +227,14 @@ def decode_attention(cfg: Config, device: torch.device) -> str:
     return "triton" if fits and importlib.util.find_spec("triton") is not None else "sdpa"
 
 
+def engine_options(cfg: Config, device: torch.device) -> dict[str, Any]:
+    """The static engine's settings from `rl` (its compile, spans, attention and sampler)."""
+    rl = cfg.rl
+    sampler = "triton" if triton_chosen(rl.sample_kernel, device) else "torch"
+    return {"compile": rl.compile_decode, "spans": rl.decode_spans,
+            "attention": decode_attention(cfg, device), "sampler": sampler}  # fmt: skip
+
+
 def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
     """`rl.engine`: the static-cache engine on GPUs (auto), transformers generate on CPU."""
     kind = (
@@ -228,8 +242,7 @@ def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
     )
     dtype = compute_dtype(cfg.model, device.type)
     if kind == "static":
-        return StaticCacheEngine(config, dtype, device, compile=cfg.rl.compile_decode,
-                                 spans=cfg.rl.decode_spans, attention=decode_attention(cfg, device))  # fmt: skip
+        return StaticCacheEngine(config, dtype, device, **engine_options(cfg, device))
     return HFRolloutEngine(config, dtype, device, cfg.model.attn_implementation)
 
 

@@ -270,3 +270,24 @@ print(json.dumps([m.__file__ for m in list(sys.modules.values())
     missing = [f for f in imported if f not in compiled]
     assert len(imported) > 1000
     assert len(missing) <= 0.01 * len(imported), missing
+
+
+def test_a_worker_leaves_scikit_learn_unimported(tmp_path):
+    """transformers (up to 5.17) imports sklearn.metrics with its generation package wherever
+    scikit-learn is installed, seconds of every worker's start for a feature the trainer never
+    uses (trainer/lean_imports.py). Here a stand-in scikit-learn is installed that fails on
+    import: the worker's modules, a model's included, load without it, and transformers' own
+    check says it is absent."""
+    fake = tmp_path / "site" / "sklearn"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('a worker imported scikit-learn')\n")
+    code = """import sys
+import trainer.main, transformers.models.qwen3.modeling_qwen3
+from transformers.generation import candidate_generator
+print(candidate_generator.is_sklearn_available(), "sklearn" in sys.modules)"""
+    e = env()
+    e["PYTHONPATH"] = f"{tmp_path / 'site'}:{e['PYTHONPATH']}"
+    out = subprocess.run([sys.executable, "-c", code], env=e, cwd=REPO, capture_output=True,
+                         text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False"]

@@ -151,3 +151,13 @@ def test_parity_check_passes_on_every_layout_and_names_a_corrupted_shard(tmp_pat
         assert "(tolerance 0.0001 for fp32" in line and line.endswith(f"layout {layout}): ok")
     ok, line = results["r2s2 corrupted"]
     assert not ok and "FAIL, worst parameter model.layers.1.mlp.down_proj.weight" in line
+
+
+def test_compiled_layers_compile_once_for_every_micro_batch_shape(tmp_path):
+    """model.compile: micro-batches of other rows and widths on each rank reuse the layer's one
+    compile (dynamic over rows and width from the first), and the gradients match eager's."""
+    out = tmp_path / "compile.json"
+    torchrun("compile_shapes.py", 2, str(out), timeout=600)
+    for rank, r in enumerate(json.loads(out.read_text())):
+        assert r["graphs"] == 1, (rank, r)
+        assert r["err"] <= 1.0, (rank, r)

@@ -18,6 +18,10 @@ from pathlib import Path
 
 IMPORTED_FROM = time.perf_counter()  # before torch and transformers: start-up's first lap
 
+from trainer.lean_imports import skip_sklearn  # noqa: E402
+
+skip_sklearn()  # before trainer.model imports transformers' models (see trainer/lean_imports.py)
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402

@@ -136,17 +136,45 @@ def apply_options(model: CausalLM, m: ModelConfig) -> None:
     """`model.activation_checkpointing` and `model.compile` per decoder layer, before sharding.
 
     `Module.compile` compiles each layer's call in place (names unchanged; dynamo leaves
-    FSDP's hooks out of the graph). Rows and widths vary per micro-batch, so at the first
-    micro-batch of another shape the layer is recompiled once for dynamic shapes. (Measured on
-    the H200 and dropped: `dynamic=True`, one compile 3x longer than the two together; rows and
-    width marked dynamic before the first call, still two compiles there, 19.0 s against 10.1 s
-    cold and 2.7 s against 1.4 s from the cache.)
+    FSDP's hooks out of the graph). Rows and widths vary per micro-batch: they are marked dynamic
+    before the first call (`rows_and_width_dynamic`), so the layer compiles once for every
+    shape, where dynamo alone compiles it for the first shape, again when the rows change and
+    again when the width does (H100 machine, 2026-12-06: 4 compiles, 57 s, over micro-batches of
+    21x384, 20x384, 17x300 and 24x341 tokens; marked, 2 compiles, 27 s). The second graph is
+    Inductor's: it guards rows x width >= 5120 (a fusion choice), so micro-batches under 5,120
+    tokens get a graph of their own. Not `dynamic=True`: that also makes the config's ints
+    symbolic, and its one compile took 3x longer than the two together on the H200.
     """
     for layer in decoder_layers(model):
         if m.activation_checkpointing:
             checkpointed(layer)
         if m.compile:
             layer.compile()
+            # after FSDP's pre-forward hook (prepended), which hands forward views of the inputs
+            layer.register_forward_pre_hook(rows_and_width_dynamic, with_kwargs=True)
+
+
+@torch.compiler.disable
+def rows_and_width_dynamic(module, args: tuple, kwargs: dict) -> None:
+    """Mark the dims that vary between micro-batches dynamic before a compiled layer runs: the
+    hidden states' rows and width, and every dim of the other tensor arguments (position ids,
+    RoPE's cos and sin) of one of those sizes, on the tensors and the bases they view. The first
+    micro-batch then compiles the layer once for every shape, where dynamo would compile it for
+    that shape and again, dynamic, at the next one."""
+    import torch._dynamo
+
+    sizes = {n for n in args[0].shape[:2] if n > 1}
+    todo = [*args, *kwargs.values()]
+    while todo:
+        t = todo.pop()
+        if isinstance(t, (tuple, list)):
+            todo += t
+        elif isinstance(t, torch.Tensor):
+            for d, n in enumerate(t.shape):
+                if n in sizes:
+                    torch._dynamo.maybe_mark_dynamic(t, d)
+            if t._base is not None:  # dynamo guards a view through its base's sizes too
+                todo.append(t._base)
 
 
 def shard_model(

@@ -7,7 +7,7 @@ per-sequence key mask), each byte once, with enough programs to keep every SM st
 - one program per (sequence, KV head, split of SPLIT cache columns): the G query heads sharing a
   KV head are the rows of one tile, so K/V are read once for all of them (no repeat_interleave);
 - the filled length comes from a device tensor (`col`), so one compiled kernel and one captured
-  CUDA graph serve every step: blocks past the filled length are skipped, not read;
+  CUDA graph serve every step: columns past the filled length are not read;
 - each split leaves its softmax-normalised partial output and log-sum-exp (fp32, a few MB); a
   second kernel, one program per (sequence, KV head), merges the splits with a softmax over
   their log-sum-exps and writes the output in q's dtype (one launch, not five eager ops);
@@ -16,7 +16,10 @@ per-sequence key mask), each byte once, with enough programs to keep every SM st
   default, SPLIT None, splits only where they do not), the fp32 partials (a fifth of the KV
   bytes at 4 query heads and 3 splits) and the merge are waste.
 
-The cache length is a compile-time constant (one kernel per buffer size). Triton is imported
+The cache length is a run-time argument; the one-program kernel's column loop is bounded by the
+cache length rounded up to a power of two (`span`), so one compile serves every cache length up to
+it (the length was a constexpr: a compile per buffer size, 7.1 s each, cold, on an H100 machine,
+and prompt widths vary by step). Triton is imported
 by `load()` (the engine calls it when it is built with this attention), not by importing this
 module: CPU runs and machines without Triton never need it.
 """
@@ -58,12 +61,12 @@ def load():
     @triton.jit
     def split_kernel(Q, K, V, Valid, Col, Out, LSE,
                      sqb, sqh, skb, skh, svb, svh, sab, sob, soh, sos, slb, slh, sls,
-                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, L: tl.constexpr, SCALE: tl.constexpr,
+                     L, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SCALE: tl.constexpr,
                      SPLIT: tl.constexpr, BLOCK: tl.constexpr, V_FIRST: tl.constexpr,
                      DIRECT: tl.constexpr):  # fmt: skip
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.minimum(tl.load(Col) + 1, L)  # columns 0 .. col are filled
-        lo = s * SPLIT
+        lo = s * SPLIT  # DIRECT: SPLIT spans the whole cache, s is 0
         hi = tl.minimum(n, lo + SPLIT)  # lo >= hi: a split past the filled columns reads nothing
         g, d = tl.arange(0, GP), tl.arange(0, D)
         rows = g < G
@@ -151,6 +154,12 @@ def pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
+def span(length: int) -> int:
+    """The one-program kernel's column loop bound (a compile-time constant): the cache length
+    rounded up to a power of two, so that one compile serves every cache length up to it."""
+    return pow2(length, BLOCK)
+
+
 # An opaque op to torch.compile: the traced decode step calls the kernel exactly as eager code
 # does (inductor does not re-type or re-wrap it), and the CUDA graph captures its launch.
 @torch.library.custom_op("hsdp_grpo::decode_attention", mutates_args=())
@@ -162,14 +171,23 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.T
     their last two dims; valid: (B, L) bool; col: (1,) long. Returns (B, Hkv, G, D) in q's dtype.
     Every sequence must have a valid key at or before col (the engine marks col itself valid).
     `load()` must have run first."""
+    b, h = q_BHGD.shape[:2]
+    split = SPLIT if SPLIT is not None else split_for(b * h, q_BHGD.device)
+    return launch(q_BHGD, k_BHLD, v_BHLD, valid_BL, col_1, split)
+
+
+def launch(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
+           valid_BL: torch.Tensor, col_1: torch.Tensor, split: int) -> torch.Tensor:  # fmt: skip
+    """`decode_attention` with splits of `split` cache columns (0: one program per sequence and
+    KV head over the whole cache). The cache length is a run-time argument: one compiled
+    one-program kernel serves every cache length up to its `span` (prompt widths vary by step),
+    whatever split led to it (trainer/kernel_warmup.py compiles it before the first call)."""
     b, h, g, d = q_BHGD.shape
     length = k_BHLD.shape[2]
     assert k_BHLD.stride(3) == 1 and k_BHLD.stride(2) == d and v_BHLD.stride(2) == d
     assert supports(d), "head_dim must be a power of two >= 16"
     q = q_BHGD.contiguous()
-    split = SPLIT if SPLIT is not None else split_for(b * h, q.device)
-    split = split or -(-length // BLOCK) * BLOCK
-    splits = -(-length // split)
+    splits = -(-length // split) if split else 1
     split_kernel, merge_kernel = _kernels
     out = torch.empty_like(q)
     if splits == 1:  # one program per (sequence, KV head) writes the output: no partials
@@ -181,8 +199,9 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.T
         q, k_BHLD, v_BHLD, valid_BL, col_1, part, lse,
         q.stride(0), q.stride(1), k_BHLD.stride(0), k_BHLD.stride(1), v_BHLD.stride(0),
         v_BHLD.stride(1), valid_BL.stride(0), part.stride(0), part.stride(1), part.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        G=g, GP=pow2(g, 16), D=d, L=length, SCALE=d**-0.5, SPLIT=split, BLOCK=BLOCK,
+        lse.stride(0), lse.stride(1), lse.stride(2), length,
+        G=g, GP=pow2(g, 16), D=d, SCALE=d**-0.5, SPLIT=split if splits > 1 else span(length),
+        BLOCK=BLOCK,
         V_FIRST=V_FIRST, DIRECT=splits == 1, num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     if splits > 1:

@@ -185,7 +185,15 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
     task = None
     if not cfg.trainer.smoke_test:  # data first: a prompt too long for the model stops us here
         watchdog.phase(0, "load data")
-        task = load_task(cfg, ps.local_rank, hf_config(cfg.model).max_position_embeddings)
+        config = hf_config(cfg.model)
+        task = load_task(cfg, ps.local_rank, config.max_position_embeddings)
+        if device.type == "cuda" and cfg.trainer.max_steps > 0:
+            from trainer import kernel_warmup
+
+            # the Triton kernels compile in a child process while this one builds the model
+            kernel_warmup.start(
+                kernel_warmup.spec_for(cfg, config, device, ps.dp_size, task.prompt_ids)
+            )
     laps.append(("data", time.perf_counter()))
     watchdog.phase(0, "build model")
     model = build_model(cfg.model, ps.get_mesh("fsdp"), device, seed=cfg.trainer.seed)

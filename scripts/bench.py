@@ -237,6 +237,7 @@ def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, sa
                f"hydra.run.dir={tmp}/run"]  # fmt: skip
         metrics = Path(tmp) / "run" / "metrics.jsonl"
         started, first, lines = time.perf_counter(), None, []
+        launched = time.time()
         sink = open(log_to or os.devnull, "w")  # each line after the seconds since launch
         trace = Path(tmp) / "trace"  # torch.compile's structured log: what each compile cost
         # the environment the bench started with: what this process has set since (the train
@@ -254,6 +255,14 @@ def grpo_step_bench(name: str, config, device, dtype, ceilings, prompts: int, sa
                 lines.append(line)
                 sink.write(f"{elapsed:8.2f} s  {line}")
                 sink.flush()
+            # the Triton kernels' child (trainer/kernel_warmup.py): each line's time since launch
+            for path in sorted((Path(tmp) / "run" / "logs").glob("kernel_warmup_rank_*.log")):
+                for line in path.read_text().splitlines():
+                    at, _, rest = line.partition(" ")
+                    try:
+                        sink.write(f"{float(at) - launched:8.2f} s  {path.stem}: {rest.strip()}\n")
+                    except ValueError:  # not one of its time lines (a traceback)
+                        sink.write(f"          {path.stem}: {line}\n")
         text = "".join(lines)
         if proc.returncode != 0:
             raise RuntimeError(text[-5000:])

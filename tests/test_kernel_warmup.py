@@ -16,8 +16,9 @@ pytest.importorskip("triton")  # conftest sets TRITON_INTERPRET=1
 def test_it_launches_each_kernel_the_spec_names():
     spec = kernel_warmup.Spec(device=0, vocab=300, sampler=True, attention=True, kv_heads=2,
                               group=4, head_dim=16, cache_length=64, logprob=True)  # fmt: skip
-    done = kernel_warmup.warm(spec, torch.device("cpu"), torch.float32)
-    assert done == ["sampler", "decode attention", "log-prob"]
+    reported: list[str] = []
+    done = kernel_warmup.warm(spec, torch.device("cpu"), torch.float32, reported.append)
+    assert done == reported == ["sampler", "decode attention", "log-prob"]
     spec.sampler = spec.logprob = False
     assert kernel_warmup.warm(spec, torch.device("cpu"), torch.float32) == ["decode attention"]
 

@@ -17,13 +17,19 @@ saved. It holds a CUDA context on the worker's GPU (about 0.5 GB) for the second
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from dataclasses import asdict, dataclass
+import time
 
-import torch
+STARTED = time.time()  # before torch: the child's log counts its imports too
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
 
 
 @dataclass
@@ -72,23 +78,34 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
     )
 
 
-def start(spec: Spec) -> subprocess.Popen | None:
-    """The child process, started in the background (None where there is nothing to compile)."""
+def start(spec: Spec, log: Path) -> subprocess.Popen | None:
+    """The child process, started in the background, its output in `log` (None where there is
+    nothing to compile)."""
     if not (spec.sampler or spec.attention or spec.logprob):
         return None
-    return subprocess.Popen(
-        [sys.executable, "-m", "trainer.kernel_warmup", json.dumps(asdict(spec))],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=os.environ.copy(),
-    )
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainer.kernel_warmup", json.dumps(asdict(spec))],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=os.environ.copy(),
+        )
 
 
-def warm(spec: Spec, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+def warm(spec: Spec, device: torch.device, dtype: torch.dtype = torch.bfloat16,
+         report: Callable[[str], None] = print) -> list[str]:  # fmt: skip
     """Launch each kernel of `spec` once on `device` (the child's work; on CPU under Triton's
-    interpreter, the tests'). Returns what was launched, in order: the sampler first (the prefill
-    needs it first), then decode attention, then the update's log-prob kernels."""
-    done = []
+    interpreter, the tests'), calling `report` after each. Returns what was launched, in order:
+    the sampler first (the prefill needs it first), then decode attention, then the update's
+    log-prob kernels."""
+    done: list[str] = []
+
+    def finished(name: str) -> None:
+        done.append(name)
+        report(name)
+
     v = spec.vocab
     if spec.sampler:
         from trainer import sample_kernel
@@ -97,7 +114,7 @@ def warm(spec: Spec, device: torch.device, dtype: torch.dtype = torch.bfloat16) 
         logits = torch.zeros((1, v), dtype=dtype, device=device)
         # the engine always passes its per-row greedy flags
         sample_kernel.sample_full(logits, 1.0, torch.zeros(1, dtype=torch.bool, device=device))
-        done.append("sampler")
+        finished("sampler")
     if spec.attention:
         from trainer import decode_attention as da
 
@@ -108,7 +125,7 @@ def warm(spec: Spec, device: torch.device, dtype: torch.dtype = torch.bfloat16) 
         valid = torch.ones((1, length), dtype=torch.bool, device=device)
         col = torch.zeros(1, dtype=torch.long, device=device)
         da.launch(q, k, k, valid, col, 0)  # the one-program kernel, as at batches that fill the GPU
-        done.append("decode attention")
+        finished("decode attention")
     if spec.logprob:
         from trainer.logprob_kernel import load, logprob_entropy
 
@@ -120,7 +137,7 @@ def warm(spec: Spec, device: torch.device, dtype: torch.dtype = torch.bfloat16) 
             targets = torch.zeros(tokens, dtype=torch.long, device=device)
             logp, entropy = logprob_entropy(logits * 1, targets, 1.0)
             (logp.sum() + entropy.sum()).backward()
-        done.append("log-prob")
+        finished("log-prob")
     return done
 
 
@@ -129,8 +146,15 @@ def main(spec_json: str) -> None:
     spec = Spec(**json.loads(spec_json))
     device = torch.device("cuda", spec.device)
     torch.cuda.set_device(device)
-    warm(spec, device)
-    torch.cuda.synchronize(device)
+
+    def report(
+        name: str,
+    ) -> None:  # the time (Unix seconds), and seconds since this process started
+        now = time.time()
+        print(f"{now:.2f} {now - STARTED:6.2f} s  {name}", flush=True)
+
+    report("imported")
+    warm(spec, device, report=report)
 
 
 if __name__ == "__main__":

@@ -192,7 +192,8 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
 
             # the Triton kernels compile in a child process while this one builds the model
             kernel_warmup.start(
-                kernel_warmup.spec_for(cfg, config, device, ps.dp_size, task.prompt_ids)
+                kernel_warmup.spec_for(cfg, config, device, ps.dp_size, task.prompt_ids),
+                Path(cfg.run_dir) / "logs" / f"kernel_warmup_rank_{rank}.log",
             )
     laps.append(("data", time.perf_counter()))
     watchdog.phase(0, "build model")

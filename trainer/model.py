@@ -139,8 +139,9 @@ def apply_options(model: CausalLM, m: ModelConfig) -> None:
     FSDP's hooks out of the graph). Rows and widths vary per micro-batch: they are marked dynamic
     before the first call (`rows_and_width_dynamic`), so the layer compiles once for every
     shape, where dynamo alone compiles it for the first shape, again when the rows change and
-    again when the width does (H100 machine, 2026-12-06: 4 compiles, 57 s, over micro-batches of
-    21x384, 20x384, 17x300 and 24x341 tokens; marked, 2 compiles, 27 s). The second graph is
+    again when the width does (H100 machine, 2026-12-06, micro-batches of 21x384, 20x384, 17x300
+    and 24x341 tokens: 4 compiles, their first calls 57 s together; marked, 2 compiles and 27 s,
+    docs/benchmarks.md). The second graph is
     Inductor's: it guards rows x width >= 5120 (a fusion choice), so micro-batches under 5,120
     tokens get a graph of their own. Not `dynamic=True`: that also makes the config's ints
     symbolic, and its one compile took 3x longer than the two together on the H200.

@@ -72,7 +72,8 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
         and da.split_for(rows * kv, device) == 0,
         kv_heads=kv,
         group=config.num_attention_heads // kv,
-        head_dim=config.head_dim,
+        head_dim=getattr(config, "head_dim", None)
+        or config.hidden_size // config.num_attention_heads,
         cache_length=-(-(longest + rl.max_new_tokens) // CACHE_ALIGN) * CACHE_ALIGN,
         logprob=use_logprob_kernel(cfg, device),
     )

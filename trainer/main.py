@@ -190,11 +190,15 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
         if device.type == "cuda" and cfg.trainer.max_steps > 0:
             from trainer import kernel_warmup
 
-            # the Triton kernels compile in a child process while this one builds the model
-            kernel_warmup.start(
-                kernel_warmup.spec_for(cfg, config, device, ps.dp_size, task.prompt_ids),
-                Path(cfg.run_dir) / "logs" / f"kernel_warmup_rank_{rank}.log",
-            )
+            # the Triton kernels compile in a child process while this one builds the model; it
+            # only saves time, so nothing about it may stop the run
+            try:
+                kernel_warmup.start(
+                    kernel_warmup.spec_for(cfg, config, device, ps.dp_size, task.prompt_ids),
+                    Path(cfg.run_dir) / "logs" / f"kernel_warmup_rank_{rank}.log",
+                )
+            except Exception as e:  # noqa: BLE001
+                print(f"warning: the Triton kernels' warm-up did not start: {e!r}", flush=True)
     laps.append(("data", time.perf_counter()))
     watchdog.phase(0, "build model")
     model = build_model(cfg.model, ps.get_mesh("fsdp"), device, seed=cfg.trainer.seed)

@@ -197,7 +197,7 @@ def run(cfg: schema.Config, rank: int, watchdog: Watchdog) -> None:
                     kernel_warmup.spec_for(cfg, config, device, ps.dp_size, task.prompt_ids),
                     Path(cfg.run_dir) / "logs" / f"kernel_warmup_rank_{rank}.log",
                 )
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 print(f"warning: the Triton kernels' warm-up did not start: {e!r}", flush=True)
     laps.append(("data", time.perf_counter()))
     watchdog.phase(0, "build model")

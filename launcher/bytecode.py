@@ -22,15 +22,15 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 # The top-level packages a worker imports (start-up, model, Dynamo/Inductor/Triton's code
-# generation, logging), whole; sklearn and scipy because transformers imports them where they are
-# installed. tests/test_config.py checks that these cover what `trainer.main` and a compile import.
+# generation, logging), whole (not scikit-learn, which transformers up to 5.17 would import:
+# trainer/lean_imports.py keeps workers from it). tests/test_config.py checks that these cover
+# what `trainer.main` and a compile import.
 PACKAGES = (
     "torch", "torchgen", "functorch", "triton", "sympy", "mpmath", "networkx", "numpy",
     "jinja2", "markupsafe", "filelock", "fsspec", "transformers", "huggingface_hub",
     "safetensors", "tokenizers", "tqdm", "regex", "yaml", "packaging", "typing_extensions",
     "hydra", "omegaconf", "antlr4", "PIL", "dill", "kernels", "httpx", "httpcore", "httpx2",
-    "httpcore2", "h11", "anyio", "sniffio", "idna", "certifi", "truststore", "sklearn", "scipy",
-    "joblib", "threadpoolctl", "wandb",
+    "httpcore2", "h11", "anyio", "sniffio", "idna", "certifi", "truststore", "wandb",
 )  # fmt: skip
 # Never imported by a run: test suites, GUI and packaging parts of the standard library.
 SKIP_DIRS = frozenset(

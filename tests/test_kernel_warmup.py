@@ -50,3 +50,84 @@ def test_the_spec_follows_the_run(monkeypatch):
     assert not (hf.sampler or hf.attention) and hf.logprob
     # 64 x 8 rows over 32 ranks: 16 each, 128 programs: the split kernel, left to the worker
     assert not spec(dp=32).attention
+
+
+def signature(args: tuple, kwargs: dict) -> tuple:
+    """What Triton compiles a launch for: each tensor's dtype and 16-byte alignment, each int's
+    being 1 or a multiple of 16, floats as floats, and the constexprs and launch options as they
+    are. Two launches of one signature share one compiled kernel."""
+
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return (str(a.dtype), a.data_ptr() % 16 == 0)
+        if isinstance(a, int) and not isinstance(a, bool):
+            return ("int", a == 1, a % 16 == 0)
+        return "float" if isinstance(a, float) else a
+
+    return tuple(map(one, args)), tuple(sorted(kwargs.items()))
+
+
+def record_launches(monkeypatch) -> dict[str, set]:
+    """Every launch of the project's Triton kernels from now on, by kernel, as signatures."""
+    from trainer import decode_attention, logprob_kernel, sample_kernel
+
+    seen: dict[str, set] = {}
+
+    class Recorded:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.setdefault(self.name, set()).add(signature(args, kwargs))
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    for module, names in ((sample_kernel, ("chunk", "pick")),
+                          (decode_attention, ("attention", "merge")),
+                          (logprob_kernel, ("logprob forward", "logprob backward"))):  # fmt: skip
+        kernels = module.load()
+        monkeypatch.setattr(module, "_kernels", tuple(map(Recorded, names, kernels)))
+    return seen
+
+
+def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch):
+    """The point of the child: its launches have the signatures of the worker's own, so the
+    kernels it compiles are the ones the worker loads. The engine (Triton sampler and attention,
+    here on CPU, where one program per row and KV head is the split `split_for` picks) and the
+    update's log-probs on a tiny Qwen3, then `warm` for the same shapes: every signature the
+    worker launched, the child launched too."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.engine import StaticCacheEngine, cache_length
+    from trainer.rollout import SamplingParams
+    from trainer.train import sequence_logprobs
+
+    config = hf_config(compose_config().model)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    engine = StaticCacheEngine(config, torch.float32, torch.device("cpu"), compile=False,
+                               attention="triton", sampler="triton")  # fmt: skip
+    engine.model.load_state_dict(model.state_dict())
+    worker = record_launches(monkeypatch)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+    params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=3, eos_token_id=258,
+                            pad_token_id=256)  # fmt: skip
+    engine.generate(prompts, params)
+    ids = torch.randint(0, 256, (2, 8))  # 16 tokens: the (3, tokens) output's rows all aligned
+    batch = type("Batch", (), {"input_ids_NL": ids})()
+    logp, entropy = sequence_logprobs(model, batch, 0.7, kernel=True)
+    (logp.sum() + entropy.sum()).backward()
+    assert set(worker) == {"chunk", "pick", "attention", "logprob forward", "logprob backward"}
+
+    child = record_launches(monkeypatch)
+    spec = kernel_warmup.Spec(
+        device=0, vocab=config.vocab_size, sampler=True, attention=True,
+        kv_heads=config.num_key_value_heads,
+        group=config.num_attention_heads // config.num_key_value_heads, head_dim=config.head_dim,
+        cache_length=cache_length(max(map(len, prompts)), params.max_new_tokens), logprob=True,
+    )  # fmt: skip
+    kernel_warmup.warm(spec, torch.device("cpu"), torch.float32, report=lambda name: None)
+    for kernel, launched in worker.items():
+        assert launched <= child.get(kernel, set()), kernel

@@ -169,6 +169,12 @@ def sample_full(
     return token_B, z_BV.gather(-1, token_B[:, None]).squeeze(-1) - lse_B
 
 
+def cache_length(width: int, new: int, align: int = CACHE_ALIGN) -> int:
+    """KV-cache columns for prompts `width` wide and `new` tokens, rounded up to `align` so that
+    prompt widths varying by step reuse the buffers and compiled steps."""
+    return -(-(width + new) // align) * align
+
+
 def prefill_mask(valid_BW: torch.Tensor) -> torch.Tensor:
     """(B, 1, W, W): which prompt columns each prompt position attends to: causal within the
     prompt, padded keys hidden; each position sees itself (a padded row's output is unused, and
@@ -503,10 +509,8 @@ class StaticCacheEngine:
         net, new = self.net, params.max_new_tokens
         ids, valid = left_pad(rows, params.pad_token_id)
         b, width = ids.shape
-        # rounded up so that prompt widths varying by step reuse the buffers and compiled spans
-        # (a longer batch reallocates, and every span recompiles once for the new length)
-        align = self.span_align
-        buffers = net.allocate(b, -(-(width + new) // align) * align)
+        # a longer batch reallocates, and every span recompiles once for the new length
+        buffers = net.allocate(b, cache_length(width, new, self.span_align))
         if buffers == "new" or self.steps.params != params:
             self.steps.reset(params)
         elif buffers == "remade":

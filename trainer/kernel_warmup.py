@@ -53,12 +53,12 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
     fill the GPU, as `decode_attention.split_for` decides; the split one is left to the worker),
     at the cache length of the longest prompt plus rl.max_new_tokens; the update's log-prob
     kernel."""
-    from launcher.memory import CACHE_ALIGN
     from trainer import decode_attention as da
-    from trainer.train import engine_options, use_logprob_kernel
+    from trainer.engine import cache_length
+    from trainer.train import engine_kind, engine_options, use_logprob_kernel
 
     rl = cfg.rl
-    static = rl.engine == "static" or (rl.engine == "auto" and device.type == "cuda")
+    static = engine_kind(cfg, device) == "static"
     options = engine_options(cfg, device)
     rows = rl.rollout_batch or -(-rl.prompts_per_step * rl.samples_per_prompt // dp_size)
     kv = config.num_key_value_heads
@@ -72,9 +72,8 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
         and da.split_for(rows * kv, device) == 0,
         kv_heads=kv,
         group=config.num_attention_heads // kv,
-        head_dim=getattr(config, "head_dim", None)
-        or config.hidden_size // config.num_attention_heads,
-        cache_length=-(-(longest + rl.max_new_tokens) // CACHE_ALIGN) * CACHE_ALIGN,
+        head_dim=config.head_dim,  # as the engine reads it
+        cache_length=cache_length(longest, rl.max_new_tokens),
         logprob=use_logprob_kernel(cfg, device),
     )
 
@@ -148,10 +147,8 @@ def main(spec_json: str) -> None:
     device = torch.device("cuda", spec.device)
     torch.cuda.set_device(device)
 
-    def report(
-        name: str,
-    ) -> None:  # the time (Unix seconds), and seconds since this process started
-        now = time.time()
+    def report(name: str) -> None:
+        now = time.time()  # Unix seconds (bench.py aligns them to the launch), and since start
         print(f"{now:.2f} {now - STARTED:6.2f} s  {name}", flush=True)
 
     report("imported")

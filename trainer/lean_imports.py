@@ -4,7 +4,7 @@ transformers up to at least 5.17 imports `sklearn.metrics` (and with it scipy) w
 generation package loads (`generation/candidate_generator.py`, for assisted decoding's
 confidence threshold), which every causal LM's import pulls in; later versions import it only
 where assisted decoding runs. This trainer never decodes with an assistant model. Measured on
-the H200 machine (2026-12-06, transformers 5.17, `python -X importtime -c "import trainer.main"`
+an H100 machine (2026-12-06, transformers 5.17, `python -X importtime -c "import trainer.main"`
 with the bytecode cache filled): sklearn took 3.5 s of a first process's 10.3 s of imports, and
 1.4 s of each later one's.
 """

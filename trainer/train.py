@@ -235,13 +235,17 @@ def engine_options(cfg: Config, device: torch.device) -> dict[str, Any]:
             "attention": decode_attention(cfg, device), "sampler": sampler}  # fmt: skip
 
 
-def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
+def engine_kind(cfg: Config, device: torch.device) -> str:
     """`rl.engine`: the static-cache engine on GPUs (auto), transformers generate on CPU."""
-    kind = (
-        cfg.rl.engine if cfg.rl.engine != "auto" else ("static" if device.type == "cuda" else "hf")
-    )
+    if cfg.rl.engine != "auto":
+        return cfg.rl.engine
+    return "static" if device.type == "cuda" else "hf"
+
+
+def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
+    """The rollout engine `engine_kind` names, with `engine_options`."""
     dtype = compute_dtype(cfg.model, device.type)
-    if kind == "static":
+    if engine_kind(cfg, device) == "static":
         return StaticCacheEngine(config, dtype, device, **engine_options(cfg, device))
     return HFRolloutEngine(config, dtype, device, cfg.model.attn_implementation)
 

@@ -14,18 +14,20 @@ pytest.importorskip("triton")  # conftest sets TRITON_INTERPRET=1
 
 
 def test_it_launches_each_kernel_the_spec_names():
-    spec = kernel_warmup.Spec(device=0, vocab=300, sampler=True, attention=True, kv_heads=2,
+    spec = kernel_warmup.Spec(device=0, vocab=300, sampler=True, attention=0, kv_heads=2,
                               group=4, head_dim=16, cache_length=64, logprob=True)  # fmt: skip
     reported: list[str] = []
     done = kernel_warmup.warm(spec, torch.device("cpu"), torch.float32, reported.append)
     assert done == reported == ["sampler", "decode attention", "log-prob"]
     spec.sampler = spec.logprob = False
     assert kernel_warmup.warm(spec, torch.device("cpu"), torch.float32) == ["decode attention"]
+    spec.attention = None
+    assert kernel_warmup.warm(spec, torch.device("cpu"), torch.float32) == []
 
 
 def test_the_spec_follows_the_run(monkeypatch):
     """The qwen3_4b preset on a GPU: every kernel, the one-program attention where a rank's 512
-    rollout rows fill the GPU, the cache length of the longest prompt plus the new tokens; the
+    rollout rows fill the GPU (the split one where a rank's share does not), the cache length of the longest prompt plus the new tokens; the
     choices that turn a kernel off turn its compile off."""
     from trainer import decode_attention
 
@@ -41,15 +43,16 @@ def test_the_spec_follows_the_run(monkeypatch):
 
     s = spec()
     assert (s.device, s.vocab, s.kv_heads, s.group, s.head_dim) == (3, 151_936, 8, 4, 128)
-    assert s.sampler and s.attention and s.logprob
+    assert s.sampler and s.attention == 0 and s.logprob
     assert s.cache_length == 448  # 130 + 256, rounded up to 64
     assert not spec("rl.sample_kernel=torch").sampler
     assert not spec("rl.logprob_kernel=torch").logprob
-    assert not spec("rl.decode_attention=sdpa").attention
+    assert spec("rl.decode_attention=sdpa").attention is None
     hf = spec("rl.engine=hf")
-    assert not (hf.sampler or hf.attention) and hf.logprob
-    # 64 x 8 rows over 32 ranks: 16 each, 128 programs: the split kernel, left to the worker
-    assert not spec(dp=32).attention
+    assert not hf.sampler and hf.attention is None and hf.logprob
+    # 64 x 8 rows over 32 ranks: 16 each, 128 programs: splits of 128 columns and their merge
+    assert spec(dp=32).attention == 128
+    assert spec("rl.rollout_batch=32", dp=32).attention == 0  # 256 programs
 
 
 def signature(args: tuple, kwargs: dict) -> tuple:
@@ -92,14 +95,17 @@ def record_launches(monkeypatch) -> dict[str, set]:
     return seen
 
 
-def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch):
+@pytest.mark.parametrize("split", [0, 32])
+def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch, split):
     """The point of the child: its launches have the signatures of the worker's own, so the
-    kernels it compiles are the ones the worker loads. The engine (Triton sampler and attention,
-    here on CPU, where one program per row and KV head is the split `split_for` picks) and the
-    update's log-probs on a tiny Qwen3, then `warm` for the same shapes: every signature the
-    worker launched, the child launched too."""
+    kernels it compiles are the ones the worker loads. The engine (Triton sampler and attention:
+    one program per row and KV head, as on a GPU that the rows fill, or splits of 32 columns of
+    the 64-column cache and their merge, as where they do not) and the update's log-probs on a
+    tiny Qwen3, then `warm` for the same shapes: every signature the worker launched, the child
+    launched too."""
     from transformers import AutoModelForCausalLM
 
+    from trainer import decode_attention
     from trainer.engine import StaticCacheEngine, cache_length
     from trainer.rollout import SamplingParams
     from trainer.train import sequence_logprobs
@@ -110,6 +116,7 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch)
     engine = StaticCacheEngine(config, torch.float32, torch.device("cpu"), compile=False,
                                attention="triton", sampler="triton")  # fmt: skip
     engine.model.load_state_dict(model.state_dict())
+    monkeypatch.setattr(decode_attention, "split_for", lambda programs, device: split)
     worker = record_launches(monkeypatch)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
     params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=3, eos_token_id=258,
@@ -119,11 +126,12 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch)
     batch = type("Batch", (), {"input_ids_NL": ids})()
     logp, entropy = sequence_logprobs(model, batch, 0.7, kernel=True)
     (logp.sum() + entropy.sum()).backward()
-    assert set(worker) == {"chunk", "pick", "attention", "logprob forward", "logprob backward"}
+    kernels = {"chunk", "pick", "attention", "logprob forward", "logprob backward"}
+    assert set(worker) == kernels | ({"merge"} if split else set())
 
     child = record_launches(monkeypatch)
     spec = kernel_warmup.Spec(
-        device=0, vocab=config.vocab_size, sampler=True, attention=True,
+        device=0, vocab=config.vocab_size, sampler=True, attention=split,
         kv_heads=config.num_key_value_heads,
         group=config.num_attention_heads // config.num_key_value_heads, head_dim=config.head_dim,
         cache_length=cache_length(max(map(len, prompts)), params.max_new_tokens), logprob=True,

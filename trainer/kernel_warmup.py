@@ -39,7 +39,10 @@ class Spec:
     device: int  # the worker's CUDA device index
     vocab: int
     sampler: bool  # rl.sample_kernel resolved to triton
-    attention: bool  # rl.decode_attention resolved to triton, one program per (row, KV head)
+    # rl.decode_attention resolved to triton: the split its launches use (decode_attention.split_for:
+    # 0, one program per row and KV head; else splits of that many columns and their merge); None:
+    # not the Triton attention
+    attention: int | None
     kv_heads: int
     group: int  # query heads per KV head
     head_dim: int
@@ -50,9 +53,9 @@ class Spec:
 def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[list[int]]) -> Spec:
     """The kernels a GRPO run of `cfg` launches on `device` (a GPU) and their shapes: the static
     engine's sampler and decode attention (the one-program kernel where a rank's rollout rows
-    fill the GPU, as `decode_attention.split_for` decides; the split one is left to the worker),
-    at the cache length of the longest prompt plus rl.max_new_tokens; the update's log-prob
-    kernel."""
+    fill the GPU, else the split kernel and its merge, as `decode_attention.split_for` decides
+    for the rows each engine call is expected to take), at the cache length of the longest
+    prompt plus rl.max_new_tokens; the update's log-prob kernel."""
     from trainer import decode_attention as da
     from trainer.engine import cache_length
     from trainer.train import engine_kind, engine_options, use_logprob_kernel
@@ -67,9 +70,9 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
         device=device.index or 0,
         vocab=config.vocab_size,
         sampler=static and options["sampler"] == "triton",
-        attention=static
-        and options["attention"] == "triton"
-        and da.split_for(rows * kv, device) == 0,
+        attention=da.split_for(rows * kv, device)
+        if static and options["attention"] == "triton"
+        else None,
         kv_heads=kv,
         group=config.num_attention_heads // kv,
         head_dim=config.head_dim,  # as the engine reads it
@@ -81,7 +84,7 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
 def start(spec: Spec, log: Path) -> subprocess.Popen | None:
     """The child process, started in the background, its output in `log` (None where there is
     nothing to compile)."""
-    if not (spec.sampler or spec.attention or spec.logprob):
+    if not (spec.sampler or spec.attention is not None or spec.logprob):
         return None
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
@@ -115,7 +118,7 @@ def warm(spec: Spec, device: torch.device, dtype: torch.dtype = torch.bfloat16,
         # the engine always passes its per-row greedy flags
         sample_kernel.sample_full(logits, 1.0, torch.zeros(1, dtype=torch.bool, device=device))
         finished("sampler")
-    if spec.attention:
+    if spec.attention is not None:
         from trainer import decode_attention as da
 
         da.load()
@@ -124,7 +127,9 @@ def warm(spec: Spec, device: torch.device, dtype: torch.dtype = torch.bfloat16,
         k = torch.zeros((1, spec.kv_heads, length, spec.head_dim), dtype=dtype, device=device)
         valid = torch.ones((1, length), dtype=torch.bool, device=device)
         col = torch.zeros(1, dtype=torch.long, device=device)
-        da.launch(q, k, k, valid, col, 0)  # the one-program kernel, as at batches that fill the GPU
+        # one program per row and KV head over the whole cache (batches that fill the GPU), or
+        # splits of spec.attention columns and their merge (whose split count follows the length)
+        da.launch(q, k, k, valid, col, spec.attention)
         finished("decode attention")
     if spec.logprob:
         from trainer.logprob_kernel import load, logprob_entropy

@@ -52,7 +52,10 @@ def test_the_spec_follows_the_run(monkeypatch):
     assert not hf.sampler and hf.attention is None and hf.logprob
     # 64 x 8 rows over 32 ranks: 16 each, 128 programs: splits of 128 columns and their merge
     assert spec(dp=32).attention == 128
-    assert spec("rl.rollout_batch=32", dp=32).attention == 0  # 256 programs
+    # rl.rollout_batch caps a call; the calls are of equal size: 128 rows in 8 calls of 16
+    # (128 programs), not the cap's 17 (136)
+    assert spec("rl.rollout_batch=17", dp=4).attention == 128
+    assert spec("rl.rollout_batch=19", dp=4).attention == 0  # 7 calls of 19 rows, 152 programs
 
 
 def signature(args: tuple, kwargs: dict) -> tuple:

@@ -54,16 +54,19 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
     """The kernels a GRPO run of `cfg` launches on `device` (a GPU) and their shapes: the static
     engine's sampler and decode attention (the one-program kernel where a rank's rollout rows
     fill the GPU, else the split kernel and its merge, as `decode_attention.split_for` decides
-    for the rows each engine call is expected to take), at the cache length of the longest
+    for the rows of each engine call), at the cache length of the longest
     prompt plus rl.max_new_tokens; the update's log-prob kernel."""
     from trainer import decode_attention as da
     from trainer.engine import cache_length
-    from trainer.train import engine_kind, engine_options, use_logprob_kernel
+    from trainer.train import engine_call_rows, engine_kind, engine_options, use_logprob_kernel
 
     rl = cfg.rl
     static = engine_kind(cfg, device) == "static"
     options = engine_options(cfg, device)
-    rows = rl.rollout_batch or -(-rl.prompts_per_step * rl.samples_per_prompt // dp_size)
+    # the rows of each of the rank's engine calls, as its rollout will cut them
+    rows = engine_call_rows(
+        rl.prompts_per_step // dp_size * rl.samples_per_prompt, rl.rollout_batch
+    )
     kv = config.num_key_value_heads
     longest = max(map(len, prompt_ids), default=1)
     return Spec(

@@ -242,6 +242,15 @@ def engine_kind(cfg: Config, device: torch.device) -> str:
     return "static" if device.type == "cuda" else "hf"
 
 
+def engine_call_rows(rows: int, rollout_batch: int) -> int:
+    """Rows per engine call for a rank's `rows` responses: rl.rollout_batch (0: no cap) caps a
+    call, so long responses decode in calls of fewer rows (a smaller KV cache), as many calls as
+    that takes, of equal size."""
+    rows = max(rows, 1)
+    calls = -(-rows // (rollout_batch or rows))
+    return -(-rows // calls)
+
+
 def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:
     """The rollout engine `engine_kind` names, with `engine_options`."""
     dtype = compute_dtype(cfg.model, device.type)
@@ -481,10 +490,8 @@ class GRPOTrainer:
         extra = (sample_round,) if sample_round else ()
         torch.manual_seed(mixed_seed(self.cfg.trainer.seed, step, self.ps.dp_rank, *extra))
         rows = [self.prompt_ids[i] for i in indices for _ in range(g)]
-        # rl.rollout_batch: long responses decode in calls of fewer rows (a smaller KV cache),
-        # as many calls as that takes, of equal size
-        calls = -(-len(rows) // (rl.rollout_batch or len(rows)))
-        rollout = self.generate_in_engine_batches(rows, size=-(-len(rows) // calls))
+        size = engine_call_rows(len(rows), rl.rollout_batch)
+        rollout = self.generate_in_engine_batches(rows, size=size)
         texts = self.tokenizer.batch_decode(rollout.response_ids, skip_special_tokens=True)
         answers = [self.prompts[i].answer for i in indices for _ in range(g)]
         rewards_N = torch.tensor([score(t, a, self.rewards) for t, a in zip(texts, answers)])

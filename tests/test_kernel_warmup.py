@@ -1,7 +1,9 @@
 """The child process that compiles the Triton kernels ahead of a worker's first calls
 (trainer/kernel_warmup.py): what it compiles for a run, and that its launches match the kernels'
-current signatures (in Triton's interpreter on CPU; whether they hit the worker's cache entries
-is measured on the GPU: docs/benchmarks.md)."""
+current signatures (in Triton's interpreter on CPU; on a GPU machine,
+`TRITON_INTERPRET=0 pytest tests/test_kernel_warmup.py` runs them compiled on the GPU)."""
+
+import os
 
 import pytest
 import torch
@@ -11,18 +13,20 @@ from trainer import kernel_warmup
 from trainer.model import hf_config
 
 pytest.importorskip("triton")  # conftest sets TRITON_INTERPRET=1
+GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
+DEVICE = torch.device("cuda" if GPU else "cpu")
 
 
 def test_it_launches_each_kernel_the_spec_names():
     spec = kernel_warmup.Spec(device=0, vocab=300, sampler=True, attention=0, kv_heads=2,
                               group=4, head_dim=16, cache_length=64, logprob=True)  # fmt: skip
     reported: list[str] = []
-    done = kernel_warmup.warm(spec, torch.device("cpu"), torch.float32, reported.append)
+    done = kernel_warmup.warm(spec, DEVICE, torch.float32, reported.append)
     assert done == reported == ["sampler", "decode attention", "log-prob"]
     spec.sampler = spec.logprob = False
-    assert kernel_warmup.warm(spec, torch.device("cpu"), torch.float32) == ["decode attention"]
+    assert kernel_warmup.warm(spec, DEVICE, torch.float32) == ["decode attention"]
     spec.attention = None
-    assert kernel_warmup.warm(spec, torch.device("cpu"), torch.float32) == []
+    assert kernel_warmup.warm(spec, DEVICE, torch.float32) == []
 
 
 def test_the_spec_follows_the_run(monkeypatch):
@@ -115,8 +119,8 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch,
 
     config = hf_config(compose_config().model)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    engine = StaticCacheEngine(config, torch.float32, torch.device("cpu"), compile=False,
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(DEVICE)
+    engine = StaticCacheEngine(config, torch.float32, DEVICE, compile=False,
                                attention="triton", sampler="triton")  # fmt: skip
     engine.model.load_state_dict(model.state_dict())
     monkeypatch.setattr(decode_attention, "split_for", lambda programs, device: split)
@@ -125,7 +129,9 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch,
     params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=3, eos_token_id=258,
                             pad_token_id=256)  # fmt: skip
     engine.generate(prompts, params)
-    ids = torch.randint(0, 256, (2, 8))  # 16 tokens: the (3, tokens) output's rows all aligned
+    ids = torch.randint(
+        0, 256, (2, 8), device=DEVICE
+    )  # 16 tokens: the (3, tokens) output's rows all aligned
     batch = type("Batch", (), {"input_ids_NL": ids})()
     logp, entropy = sequence_logprobs(model, batch, 0.7, kernel=True)
     (logp.sum() + entropy.sum()).backward()
@@ -139,6 +145,6 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch,
         group=config.num_attention_heads // config.num_key_value_heads, head_dim=config.head_dim,
         cache_length=cache_length(max(map(len, prompts)), params.max_new_tokens), logprob=True,
     )  # fmt: skip
-    kernel_warmup.warm(spec, torch.device("cpu"), torch.float32, report=lambda name: None)
+    kernel_warmup.warm(spec, DEVICE, torch.float32, report=lambda name: None)
     for kernel, launched in worker.items():
         assert launched <= child.get(kernel, set()), kernel

@@ -102,7 +102,7 @@ def test_engine_samples_with_the_kernel_as_it_does_without():
     config = hf_config(compose_config().model)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    engine = StaticCacheEngine(config, torch.float32, torch.device("cpu"), compile=False,
+    engine = StaticCacheEngine(config, torch.float32, torch.device(DEVICE), compile=False,
                                sampler="triton")  # fmt: skip
     engine.model.load_state_dict(model.state_dict())
     rows = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [5, 6, 7]]
@@ -113,5 +113,5 @@ def test_engine_samples_with_the_kernel_as_it_does_without():
         rollout = engine.generate(rows, params)
         expected = reference_logprobs(model, rollout, params.temperature, top_p)
         torch.testing.assert_close(
-            torch.cat(rollout.sampling_logprobs), expected, atol=1e-4, rtol=0
+            torch.cat(rollout.sampling_logprobs).cpu(), expected, atol=1e-4, rtol=0
         )

@@ -54,8 +54,8 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
     """The kernels a GRPO run of `cfg` launches on `device` (a GPU) and their shapes: the static
     engine's sampler and decode attention (the one-program kernel where a rank's rollout rows
     fill the GPU, else the split kernel and its merge, as `decode_attention.split_for` decides
-    for the rows of each engine call), at the cache length of the longest
-    prompt plus rl.max_new_tokens; the update's log-prob kernel."""
+    for the rows of each engine call), at the cache length of the longest prompt plus
+    rl.max_new_tokens; the update's log-prob kernel."""
     from trainer import decode_attention as da
     from trainer.engine import cache_length
     from trainer.train import engine_call_rows, engine_kind, engine_options, use_logprob_kernel

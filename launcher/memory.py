@@ -47,6 +47,23 @@ from launcher.counting import count_params
 CACHE_ALIGN = (
     64  # the static engine's cache lengths and spans are multiples of this (it reads it here)
 )
+
+
+def cache_length(width: int, new: int, align: int = CACHE_ALIGN) -> int:
+    """KV-cache columns for prompts `width` wide and `new` tokens, rounded up to `align` so that
+    prompt widths varying by step reuse the static engine's buffers and compiled steps."""
+    return -(-(width + new) // align) * align
+
+
+def engine_call_rows(rows: int, rollout_batch: int) -> int:
+    """Rows per engine call for a rank's `rows` responses: rl.rollout_batch (0: no cap) caps a
+    call, so long responses decode in calls of fewer rows (a smaller KV cache), as many calls as
+    that takes, of equal size."""
+    rows = max(rows, 1)
+    calls = -(-rows // (rollout_batch or rows))
+    return -(-rows // calls)
+
+
 # share of the eager count A that a compiled, uncheckpointed layer keeps: fitted on two H200 runs
 # (0.453 at 8192 tokens, 0.473 at 2048; docs/benchmarks.md)
 COMPILED_ACTIVATIONS = 0.46
@@ -76,8 +93,8 @@ class Shape:
 
     @property
     def call_rows(self) -> int:
-        """Responses per rollout-engine call (at most: the trainer splits them evenly)."""
-        return min(self.responses, self.rollout_rows or self.responses)
+        """Responses per rollout-engine call, cut as the trainer cuts them."""
+        return engine_call_rows(self.responses, self.rollout_rows)
 
     @property
     def gathers(self) -> int:
@@ -123,7 +140,7 @@ def predict(a, s: Shape) -> Prediction:
               "rollout engine weights": c * n}  # fmt: skip
     if s.reference:
         always["reference model (fp32, sharded)"] = 4 * n / s.shard
-    cache_len = -(-(s.prompt_tokens + s.new_tokens) // CACHE_ALIGN) * CACHE_ALIGN
+    cache_len = cache_length(s.prompt_tokens, s.new_tokens)
     rows = s.call_rows
     kv = layers * 2 * rows * a.num_key_value_heads * a.head_dim * c * cache_len
     act = layer_activation_bytes(a, c)

@@ -112,8 +112,9 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch,
     launched too."""
     from transformers import AutoModelForCausalLM
 
+    from launcher.memory import cache_length
     from trainer import decode_attention
-    from trainer.engine import StaticCacheEngine, cache_length
+    from trainer.engine import StaticCacheEngine
     from trainer.rollout import SamplingParams
     from trainer.train import sequence_logprobs
 

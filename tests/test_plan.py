@@ -280,3 +280,17 @@ def test_a_step_that_does_not_fit_names_the_knob_and_a_value_that_fits(tmp_path)
     assert "does NOT fit (the rollout's KV cache for 256 responses per call is the peak: " \
            "rl.rollout_batch=128 fits)" in out.stdout  # fmt: skip
     assert "GB: fits" in launch(*shape, "rl.rollout_batch=128").stdout
+
+
+def test_the_memory_model_sizes_the_kv_cache_for_the_calls_the_trainer_makes():
+    """rl.rollout_batch caps an engine call; the trainer cuts equal calls (128 responses under a
+    cap of 17: 8 calls of 16), and the memory model's KV cache is for those rows, at the cache
+    length the engine allocates (prompt + new tokens, rounded up to CACHE_ALIGN)."""
+    from launcher.memory import CACHE_ALIGN, Shape, cache_length, engine_call_rows
+
+    assert engine_call_rows(128, 17) == 16 and engine_call_rows(128, 19) == 19
+    assert engine_call_rows(128, 0) == 128 and engine_call_rows(0, 0) == 1
+    shape = Shape(shard=1, responses=128, prompt_tokens=100, new_tokens=200,
+                  micro_batch_tokens=8192, rollout_rows=17)  # fmt: skip
+    assert shape.call_rows == 16
+    assert cache_length(100, 200) == 320 == 5 * CACHE_ALIGN

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from launcher.memory import CACHE_ALIGN  # cache lengths and spans end on a multiple of it
+# cache lengths and spans end on a multiple of CACHE_ALIGN
+from launcher.memory import CACHE_ALIGN, cache_length
 from trainer import decode_attention as triton_attention
 from trainer import sample_kernel
 from trainer.model import CausalLM
@@ -167,12 +168,6 @@ def sample_full(
         token_B = torch.where(greedy_B, (best_B1 * k + at_B1).squeeze(-1), token_B)
     lse_B = mx_B1.squeeze(-1) + total_B.log()
     return token_B, z_BV.gather(-1, token_B[:, None]).squeeze(-1) - lse_B
-
-
-def cache_length(width: int, new: int, align: int = CACHE_ALIGN) -> int:
-    """KV-cache columns for prompts `width` wide and `new` tokens, rounded up to `align` so that
-    prompt widths varying by step reuse the buffers and compiled steps."""
-    return -(-(width + new) // align) * align
 
 
 def prefill_mask(valid_BW: torch.Tensor) -> torch.Tensor:

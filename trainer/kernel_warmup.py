@@ -56,9 +56,9 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
     fill the GPU, else the split kernel and its merge, as `decode_attention.split_for` decides
     for the rows of each engine call), at the cache length of the longest prompt plus
     rl.max_new_tokens; the update's log-prob kernel."""
+    from launcher.memory import cache_length, engine_call_rows
     from trainer import decode_attention as da
-    from trainer.engine import cache_length
-    from trainer.train import engine_call_rows, engine_kind, engine_options, use_logprob_kernel
+    from trainer.train import engine_kind, engine_options, use_logprob_kernel
 
     rl = cfg.rl
     static = engine_kind(cfg, device) == "static"

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from launcher.memory import engine_call_rows
 from launcher.run_folder import stop_file
 from launcher.schema import TASK_CORRECTNESS, Config, OptimConfig, rewards_of
 from trainer import checkpoint, micro_batches
@@ -240,15 +241,6 @@ def engine_kind(cfg: Config, device: torch.device) -> str:
     if cfg.rl.engine != "auto":
         return cfg.rl.engine
     return "static" if device.type == "cuda" else "hf"
-
-
-def engine_call_rows(rows: int, rollout_batch: int) -> int:
-    """Rows per engine call for a rank's `rows` responses: rl.rollout_batch (0: no cap) caps a
-    call, so long responses decode in calls of fewer rows (a smaller KV cache), as many calls as
-    that takes, of equal size."""
-    rows = max(rows, 1)
-    calls = -(-rows // (rollout_batch or rows))
-    return -(-rows // calls)
 
 
 def make_engine(cfg: Config, config, device: torch.device) -> RolloutEngine:

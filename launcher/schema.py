@@ -282,6 +282,11 @@ class RLConfig:
     # installed, else torch), triton (trainer/sample_kernel.py: two kernels, one read of the bf16
     # logits, no torch.compile), torch (the chunked sampler in trainer/engine.py, compiled).
     sample_kernel: str = choice("auto", "auto", "triton", "torch")
+    # static engine, the decode steps' projections (q/k/v, o, gate/up, down; engine calls of at
+    # most 256 rows): auto (triton on a GPU with Triton installed, else torch), triton
+    # (trainer/decode_matmul.py: a skinny matmul split over K, its partial sums fused into the
+    # next elementwise kernel), torch (cuBLAS).
+    decode_matmul: str = choice("torch", "auto", "triton", "torch")
 
 
 @dataclass

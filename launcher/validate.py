@@ -295,7 +295,8 @@ def validate(cfg: Config, visible_gpus: int, check_gpu_count: bool = True) -> No
     gpu = resolve_device(cfg.device, visible_gpus) == "cuda"
     for key, value, other, needed in (("rl.decode_attention", cfg.rl.decode_attention, "sdpa", gpu),
                                       ("rl.logprob_kernel", cfg.rl.logprob_kernel, "torch", True),
-                                      ("rl.sample_kernel", cfg.rl.sample_kernel, "torch", gpu)):  # fmt: skip
+                                      ("rl.sample_kernel", cfg.rl.sample_kernel, "torch", gpu),
+                                      ("rl.decode_matmul", cfg.rl.decode_matmul, "torch", gpu)):  # fmt: skip
         check(
             value != "triton" or not needed or importlib.util.find_spec("triton") is not None,
             f"{key}=triton but Triton is not installed; pip install triton, or use {key}={other}",

@@ -130,7 +130,8 @@ def decode_bench(config, device, dtype, batch: int, prompt: int, new: int, ceili
         first = time.perf_counter() - t0
         t = timed(lambda: engine.generate(prompts, params), device)  # noqa: B023 (called here)
         timings.append({"overrides": overrides, "spans": rl.decode_spans, "attention": attention,
-                        "sampler": options["sampler"], "engine_s": t, "first_call_s": first,
+                        "sampler": options["sampler"], "matmul": options["matmul"],
+                        "engine_s": t, "first_call_s": first,
                         "engine_over_floor": t / floor})  # fmt: skip
         if profile is not None:
             profile_decode(engine, prompts, params, device, profile.with_suffix(f".{i}.txt"))

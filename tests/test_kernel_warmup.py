@@ -23,7 +23,13 @@ def test_it_launches_each_kernel_the_spec_names():
     reported: list[str] = []
     done = kernel_warmup.warm(spec, DEVICE, torch.float32, reported.append)
     assert done == reported == ["sampler", "decode attention", "log-prob"]
+    spec.matmul = [[3, 48, 64]]
+    assert kernel_warmup.warm(spec, DEVICE, torch.float32)[1:3] == [
+        "decode attention",
+        "decode matmul",
+    ]
     spec.sampler = spec.logprob = False
+    spec.matmul = []
     assert kernel_warmup.warm(spec, DEVICE, torch.float32) == ["decode attention"]
     spec.attention = None
     assert kernel_warmup.warm(spec, DEVICE, torch.float32) == []
@@ -56,6 +62,11 @@ def test_the_spec_follows_the_run(monkeypatch):
     assert not hf.sampler and hf.attention is None and hf.logprob
     # 64 x 8 rows over 32 ranks: 16 each, 128 programs: splits of 128 columns and their merge
     assert spec(dp=32).attention == 128
+    # the decode matmuls: cuBLAS past 256 rows a call (the preset's 512), else each projection
+    assert s.matmul == []
+    q_kv, mlp = [[128, 6144, 2560], [128, 2560, 4096]], [[128, 19456, 2560], [128, 2560, 9728]]
+    assert spec("rl.decode_matmul=auto", dp=4).matmul == q_kv + mlp
+    assert spec("rl.decode_matmul=torch", dp=4).matmul == []
     # rl.rollout_batch caps a call; the calls are of equal size: 128 rows in 8 calls of 16
     # (128 programs), not the cap's 17 (136)
     assert spec("rl.rollout_batch=17", dp=4).attention == 128
@@ -79,7 +90,7 @@ def signature(args: tuple, kwargs: dict) -> tuple:
 
 def record_launches(monkeypatch) -> dict[str, set]:
     """Every launch of the project's Triton kernels from now on, by kernel, as signatures."""
-    from trainer import decode_attention, logprob_kernel, sample_kernel
+    from trainer import decode_attention, decode_matmul, logprob_kernel, sample_kernel
 
     seen: dict[str, set] = {}
 
@@ -96,6 +107,7 @@ def record_launches(monkeypatch) -> dict[str, set]:
 
     for module, names in ((sample_kernel, ("chunk", "pick")),
                           (decode_attention, ("attention", "merge")),
+                          (decode_matmul, ("matmul",)),
                           (logprob_kernel, ("logprob forward", "logprob backward"))):  # fmt: skip
         kernels = module.load()
         monkeypatch.setattr(module, "_kernels", tuple(map(Recorded, names, kernels)))
@@ -113,7 +125,7 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch,
     from transformers import AutoModelForCausalLM
 
     from launcher.memory import cache_length
-    from trainer import decode_attention
+    from trainer import decode_attention, decode_matmul
     from trainer.engine import StaticCacheEngine
     from trainer.rollout import SamplingParams
     from trainer.train import sequence_logprobs
@@ -122,7 +134,7 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch,
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(DEVICE)
     engine = StaticCacheEngine(config, torch.float32, DEVICE, compile=False,
-                               attention="triton", sampler="triton")  # fmt: skip
+                               attention="triton", sampler="triton", matmul="triton")  # fmt: skip
     engine.model.load_state_dict(model.state_dict())
     monkeypatch.setattr(decode_attention, "split_for", lambda programs, device: split)
     worker = record_launches(monkeypatch)
@@ -136,7 +148,7 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch,
     batch = type("Batch", (), {"input_ids_NL": ids})()
     logp, entropy = sequence_logprobs(model, batch, 0.7, kernel=True)
     (logp.sum() + entropy.sum()).backward()
-    kernels = {"chunk", "pick", "attention", "logprob forward", "logprob backward"}
+    kernels = {"chunk", "pick", "attention", "matmul", "logprob forward", "logprob backward"}
     assert set(worker) == kernels | ({"merge"} if split else set())
 
     child = record_launches(monkeypatch)
@@ -145,6 +157,7 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch,
         kv_heads=config.num_key_value_heads,
         group=config.num_attention_heads // config.num_key_value_heads, head_dim=config.head_dim,
         cache_length=cache_length(max(map(len, prompts)), params.max_new_tokens), logprob=True,
+        matmul=[[len(prompts), n, k] for n, k in decode_matmul.projections(config)],
     )  # fmt: skip
     kernel_warmup.warm(spec, DEVICE, torch.float32, report=lambda name: None)
     for kernel, launched in worker.items():

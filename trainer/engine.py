@@ -41,6 +41,7 @@ from torch import nn
 # cache lengths and spans end on a multiple of CACHE_ALIGN
 from launcher.memory import CACHE_ALIGN, cache_length
 from trainer import decode_attention as triton_attention
+from trainer import decode_matmul as triton_matmul
 from trainer import sample_kernel
 from trainer.model import CausalLM
 from trainer.rollout import (
@@ -204,9 +205,13 @@ def layer_weights(layer: CausalLM) -> tuple:
 class FusedQwen3:
     """The Qwen3 forward over its own static KV cache (see the module docstring)."""
 
-    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, attention: str):
+    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, attention: str,
+                 matmul: str = "torch"):  # fmt: skip
         self.model, self.config, self.dtype, self.device = model, model.config, dtype, device
         self.attention = attention  # decode steps: `sdpa` over a span, or the `triton` kernel
+        self.matmul = matmul  # decode steps' projections: cuBLAS (`torch`) or the `triton` kernel
+        if matmul == "triton":
+            triton_matmul.load()
         # a Python bool, fixed here: SDPA's flag must not become symbolic in the dynamic prefill
         self.grouped = model.config.num_attention_heads != model.config.num_key_value_heads
         if attention == "triton":
@@ -265,8 +270,12 @@ class FusedQwen3:
         cfg, eps = self.config, self.config.rms_norm_eps
         b, t, _ = x.shape
         hd, nq, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        # a decode step's matmuls by the skinny split-K kernel where it is chosen (the prefill's,
+        # of B x T rows, by cuBLAS): its partials' sum fuses into the elementwise op that follows
+        skinny = t == 1 and self.matmul == "triton" and b <= triton_matmul.MAX_ROWS
+        linear = triton_matmul.linear if skinny else F.linear
         h = rms_norm(x, norm1, eps)
-        q, k, v = F.linear(h, qkv_w, qkv_b).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = linear(h, qkv_w, qkv_b).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         q = rms_norm(q.view(b, t, nq, hd), q_norm, eps).transpose(1, 2)
         k = rms_norm(k.view(b, t, nkv, hd), k_norm, eps).transpose(1, 2)
         v = v.view(b, t, nkv, hd).transpose(1, 2)
@@ -290,9 +299,9 @@ class FusedQwen3:
                 q.reshape(b, nkv, g, hd), k_cache[:, :, :span], v_cache[:, :, :span],
                 attn_mask=mask_B1TK.repeat(1, 1, g, 1) if g > 1 else mask_B1TK,
             ).view(b, nq, t, hd)  # fmt: skip
-        x = x + F.linear(o.transpose(1, 2).reshape(b, t, nq * hd), o_w)
-        gate, up = F.linear(rms_norm(x, norm2, eps), gate_up_w).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, down_w)
+        x = x + linear(o.transpose(1, 2).reshape(b, t, nq * hd), o_w)
+        gate, up = linear(rms_norm(x, norm2, eps), gate_up_w).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, down_w)
 
     def prefill_layer(self, *args) -> torch.Tensor:
         """`decoder_layer` under its own name, so that the prefill's compile (dynamic over the
@@ -446,10 +455,10 @@ class StaticCacheEngine:
 
     def __init__(self, config, dtype: torch.dtype, device: torch.device, compile: bool = True,
                  cuda_graph: bool | None = None, spans: int = 1, attention: str = "sdpa",
-                 sampler: str = "torch"):  # fmt: skip
+                 sampler: str = "torch", matmul: str = "torch"):  # fmt: skip
         self.model = inference_copy(config, dtype, device)
         self.device, self.spans = device, spans
-        self.net = FusedQwen3(self.model, dtype, device, attention)
+        self.net = FusedQwen3(self.model, dtype, device, attention, matmul)
         cuda_graph = device.type == "cuda" if cuda_graph is None else cuda_graph
         # sampler: "triton" (trainer/sample_kernel.py, where nothing is cut) or "torch"
         self.kernel_sampler = sampler == "triton"

@@ -1,7 +1,7 @@
 """Compile this project's Triton kernels in a process beside the worker, before it needs them.
 
 A worker's first sampling, first decode step and first update launch the Triton kernels of
-trainer/sample_kernel.py, decode_attention.py and logprob_kernel.py. On a fresh Triton cache each
+trainer/sample_kernel.py, decode_attention.py, decode_matmul.py and logprob_kernel.py. On a fresh Triton cache each
 first launch compiles its kernel (and the C launcher Triton builds for its signature) in the
 worker, while everything waits: 10.7 s on an H100 machine (2026-12-06: the sampler 2.0 s, decode
 attention 7.1 s, the log-prob kernels 1.5 s, docs/benchmarks.md). `start` runs this module as a
@@ -26,7 +26,7 @@ import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Callable  # noqa: E402
-from dataclasses import asdict, dataclass  # noqa: E402
+from dataclasses import asdict, dataclass, field  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -48,6 +48,9 @@ class Spec:
     head_dim: int
     cache_length: int  # the expected KV-cache length (its `span` is what is compiled)
     logprob: bool  # rl.logprob_kernel resolved to triton
+    # rl.decode_matmul resolved to triton: [rows, N, K] of each of a decode step's projections
+    # (decode_matmul.projections at the rows of an engine call); empty: cuBLAS
+    matmul: list[list[int]] = field(default_factory=list)
 
 
 def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[list[int]]) -> Spec:
@@ -55,9 +58,10 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
     engine's sampler and decode attention (the one-program kernel where a rank's rollout rows
     fill the GPU, else the split kernel and its merge, as `decode_attention.split_for` decides
     for the rows of each engine call), at the cache length of the longest prompt plus
-    rl.max_new_tokens; the update's log-prob kernel."""
+    rl.max_new_tokens; the decode matmuls at those rows; the update's log-prob kernel."""
     from launcher.memory import cache_length, engine_call_rows
     from trainer import decode_attention as da
+    from trainer import decode_matmul as dm
     from trainer.train import engine_kind, engine_options, use_logprob_kernel
 
     rl = cfg.rl
@@ -81,13 +85,16 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
         head_dim=config.head_dim,  # as the engine reads it
         cache_length=cache_length(longest, rl.max_new_tokens),
         logprob=use_logprob_kernel(cfg, device),
+        matmul=[[rows, n, k] for n, k in dm.projections(config)]
+        if static and options["matmul"] == "triton" and rows <= dm.MAX_ROWS
+        else [],
     )
 
 
 def start(spec: Spec, log: Path) -> subprocess.Popen | None:
     """The child process, started in the background, its output in `log` (None where there is
     nothing to compile)."""
-    if not (spec.sampler or spec.attention is not None or spec.logprob):
+    if not (spec.sampler or spec.attention is not None or spec.logprob or spec.matmul):
         return None
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
@@ -104,8 +111,8 @@ def warm(spec: Spec, device: torch.device, dtype: torch.dtype = torch.bfloat16,
          report: Callable[[str], None] = print) -> list[str]:  # fmt: skip
     """Launch each kernel of `spec` once on `device` (the child's work; on CPU under Triton's
     interpreter, the tests'), calling `report` after each. Returns what was launched, in order:
-    the sampler first (the prefill needs it first), then decode attention, then the update's
-    log-prob kernels."""
+    the sampler first (the prefill needs it first), then decode attention and the decode
+    matmuls, then the update's log-prob kernels."""
     done: list[str] = []
 
     def finished(name: str) -> None:
@@ -134,6 +141,16 @@ def warm(spec: Spec, device: torch.device, dtype: torch.dtype = torch.bfloat16,
         # splits of spec.attention columns and their merge (whose split count follows the length)
         da.launch(q, k, k, valid, col, spec.attention)
         finished("decode attention")
+    if spec.matmul:
+        from trainer import decode_matmul as dm
+
+        dm.load()
+        # the real shapes: the launch's ints (rows, N, K and the strides) specialise on their
+        # divisibility by 16 and the setting on all three (a few hundred MB, freed at once)
+        for rows, n, width in spec.matmul:
+            x = torch.zeros((rows, width), dtype=dtype, device=device)
+            dm.decode_linear(x, torch.zeros((n, width), dtype=dtype, device=device))
+        finished("decode matmul")
     if spec.logprob:
         from trainer.logprob_kernel import load, logprob_entropy
 

@@ -232,8 +232,10 @@ def engine_options(cfg: Config, device: torch.device) -> dict[str, Any]:
     """The static engine's settings from `rl` (its compile, spans, attention and sampler)."""
     rl = cfg.rl
     sampler = "triton" if triton_chosen(rl.sample_kernel, device) else "torch"
+    matmul = "triton" if triton_chosen(rl.decode_matmul, device) else "torch"
     return {"compile": rl.compile_decode, "spans": rl.decode_spans,
-            "attention": decode_attention(cfg, device), "sampler": sampler}  # fmt: skip
+            "attention": decode_attention(cfg, device), "sampler": sampler,
+            "matmul": matmul}  # fmt: skip
 
 
 def engine_kind(cfg: Config, device: torch.device) -> str:

@@ -1,14 +1,15 @@
 """Compile this project's Triton kernels in a process beside the worker, before it needs them.
 
 A worker's first sampling, first decode step and first update launch the Triton kernels of
-trainer/sample_kernel.py, decode_attention.py, decode_matmul.py and logprob_kernel.py. On a fresh Triton cache each
-first launch compiles its kernel (and the C launcher Triton builds for its signature) in the
-worker, while everything waits: 10.7 s on an H100 machine (2026-12-06: the sampler 2.0 s, decode
-attention 7.1 s, the log-prob kernels 1.5 s, docs/benchmarks.md). `start` runs this module as a
-child process as soon as the worker knows its shapes (before it builds the model); the child
-launches each kernel once on small tensors whose arguments specialise as the real calls' do
-(dtypes, constexprs, 16-byte-aligned pointers, ints of the same divisibility by 16), which
-writes them to TRITON_CACHE_DIR; the worker's own first launches then load them from there.
+trainer/sample_kernel.py, decode_attention.py, decode_matmul.py and logprob_kernel.py. On a
+fresh Triton cache each first launch compiles its kernel (and the C launcher Triton builds for
+its signature) in the worker, while everything waits: 10.7 s on an H100 machine (2026-12-06:
+the sampler 2.0 s, decode attention 7.1 s, the log-prob kernels 1.5 s, docs/benchmarks.md).
+`start` runs this module as a child process as soon as the worker knows its shapes (before it
+builds the model); the child launches each kernel once on tensors whose arguments specialise as
+the real calls' do (dtypes, constexprs, 16-byte-aligned pointers, ints of the same divisibility
+by 16), which writes them to TRITON_CACHE_DIR; the worker's own first launches then load them
+from there.
 
 Nothing waits on the child: a kernel it has not finished when the worker reaches it is compiled
 by both (Triton's cache writes are atomic), and its failure costs only the time it would have

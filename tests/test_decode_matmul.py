@@ -34,6 +34,16 @@ def test_partial_products_sum_to_the_matmul(m, n, k, bn, bk, splits):
     torch.testing.assert_close(y.float().sum(0), expected, atol=TOL, rtol=TOL)
 
 
+def test_an_input_strided_along_k_is_taken():
+    """torch.compile may hand the op a transposed layout; the product is the same."""
+    from trainer.decode_matmul import Config, launch
+
+    x = torch.randn(64, 5, device=DEVICE).to(DTYPE).T  # (5, 64), stride 1 along the rows
+    w = (torch.randn(32, 64, device=DEVICE) / 8).to(DTYPE)
+    y = launch(x, w, Config(bn=16, bk=32, splits=2)).float().sum(0)
+    torch.testing.assert_close(y, x.float() @ w.float().T, atol=TOL, rtol=TOL)
+
+
 def test_the_op_and_its_fake_agree():
     """torch.compile traces the op by its fake: shapes, dtypes and strides must be the real ones
     (opcheck also runs it under the fake and the dispatcher's other checks)."""

@@ -81,10 +81,12 @@ def pow2(n: int, least: int = 1) -> int:
 
 def launch(x_MK: torch.Tensor, w_NK: torch.Tensor, cfg: Config) -> torch.Tensor:
     """x W^T as (SPLITS, M, N): fp32 partial sums over SPLITS slices of K, or (1, M, N) in x's
-    dtype where SPLITS is 1. x (M, K) and w (N, K) with unit stride along K."""
+    dtype where SPLITS is 1. x (M, K), w (N, K) with unit stride along K."""
     m, k = x_MK.shape
     n = w_NK.shape[0]
-    assert w_NK.shape[1] == k and x_MK.stride(1) == 1 and w_NK.stride(1) == 1
+    assert w_NK.shape[1] == k and w_NK.stride(1) == 1
+    if x_MK.stride(1) != 1:  # a layout torch.compile chose for the input (a few hundred KB)
+        x_MK = x_MK.contiguous()
     bm = pow2(m, 16)  # every row in one tile: each weight byte is read once
     steps = -(-k // (cfg.bk * cfg.splits))  # BK tiles per split; the last split may run short
     out_dtype = x_MK.dtype if cfg.splits == 1 else torch.float32

@@ -285,7 +285,7 @@ class RLConfig:
     # static engine, the decode steps' projections (q/k/v, o, gate/up, down; engine calls of at
     # most 256 rows): auto (triton on a GPU with Triton installed, else torch), triton
     # (trainer/decode_matmul.py: a skinny matmul split over K, its partial sums fused into the
-    # next elementwise kernel), torch (cuBLAS).
+    # next elementwise kernel), torch (cuBLAS; the default until the kernel is measured on a GPU).
     decode_matmul: str = choice("torch", "auto", "triton", "torch")
 
 

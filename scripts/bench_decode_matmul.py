@@ -47,7 +47,7 @@ def grid_configs(m: int, n: int, k: int, sms: int) -> list[dm.Config]:
 def refine(best: dm.Config, m: int) -> list[dm.Config]:
     warps = (4, 8) if m > 64 else (4,)
     fits = [(bk, st) for bk, st in itertools.product((64, 128, 256), (2, 3, 4, 6))
-            if (dm.pow2(m, 16) + best.bn) * bk * 2 * st <= dm.SHARED_BYTES]  # fmt: skip
+            if dm.stage_bytes(m, best.bn, bk) * st <= dm.SHARED_BYTES]  # fmt: skip
     return [
         best._replace(bk=bk, stages=st, warps=w) for (bk, st), w in itertools.product(fits, warps)
     ]

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 pytest.importorskip("triton")  # a test dependency; conftest sets TRITON_INTERPRET=1
 GPU = os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available()
@@ -44,15 +45,28 @@ def test_an_input_strided_along_k_is_taken():
     torch.testing.assert_close(y, x.float() @ w.float().T, atol=TOL, rtol=TOL)
 
 
-def test_the_op_and_its_fake_agree():
+@pytest.mark.parametrize("sms, splits", [(1, 1), (132, 2)])
+def test_the_op_and_its_fake_agree(monkeypatch, sms, splits):
     """torch.compile traces the op by its fake: shapes, dtypes and strides must be the real ones
-    (opcheck also runs it under the fake and the dispatcher's other checks)."""
-    from trainer.decode_matmul import decode_linear
+    (opcheck also runs it under the fake and the dispatcher's other checks), for one split (x's
+    dtype) and for fp32 partials (3 weight tiles on 132 SMs split K = 1024 in two)."""
+    from trainer import decode_matmul
 
+    monkeypatch.setattr(decode_matmul, "sm_count", lambda device: sms)
     x = torch.randn(6, 1024, device=DEVICE).to(DTYPE)
     w = (torch.randn(192, 1024, device=DEVICE) / 32).to(DTYPE)
-    torch.library.opcheck(decode_linear, (x, w), test_utils=("test_schema", "test_faketensor"))
-    y = decode_linear(x, w)
+    op = decode_matmul.decode_linear
+    torch.library.opcheck(op, (x, w), test_utils=("test_schema", "test_faketensor"))
+    y = op(x, w)
+    assert y.shape == (splits, 6, 192)
+    assert y.dtype == (DTYPE if splits == 1 else torch.float32)
+    # the fake in bf16 (the engine's dtype; on CPU the op runs in fp32, where the partials'
+    # dtype and x's are the same): partials in fp32, one split in x's dtype
+    x16, w16 = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    with FakeTensorMode() as mode:
+        fake = op(mode.from_tensor(x16), mode.from_tensor(w16))
+    assert (fake.shape, fake.stride()) == (y.shape, y.stride())
+    assert fake.dtype == (torch.bfloat16 if splits == 1 else torch.float32)
     torch.testing.assert_close(y.float().sum(0), x.float() @ w.float().T, atol=TOL, rtol=TOL)
 
 
@@ -68,14 +82,21 @@ def test_every_sm_gets_a_program_at_qwen3_4b_shapes(m):
         assert k // cfg.splits >= cfg.bk, (n, k, cfg)
 
 
-def test_engine_decodes_with_the_kernel_as_with_cublas():
+@pytest.mark.parametrize("splits", [1, 3])
+def test_engine_decodes_with_the_kernel_as_with_cublas(monkeypatch, splits):
     """The engine built with `matmul="triton"` (and the Triton attention) records the log-probs
-    of what it drew as the training forward computes them."""
+    of what it drew as the training forward computes them: with the output written whole, and
+    with three splits of K (the tiny model's K of 64 and 128 would not be split by `config_for`),
+    whose fp32 partials the decode layer sums."""
     from conftest import compose_config
     from test_engine import reference_logprobs
     from transformers import AutoModelForCausalLM
 
+    from trainer import decode_matmul
     from trainer.engine import StaticCacheEngine
+
+    setting = decode_matmul.Config(bn=16, bk=16, splits=splits)
+    monkeypatch.setattr(decode_matmul, "config_for", lambda m, n, k, sms: setting)
     from trainer.model import hf_config
     from trainer.rollout import SamplingParams
 

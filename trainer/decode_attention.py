@@ -26,6 +26,7 @@ module: CPU runs and machines without Triton never need it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -139,15 +140,19 @@ def load():
     return _kernels
 
 
+@functools.cache
+def sm_count(device: torch.device) -> int:
+    """The SMs of a CUDA device (1 elsewhere: Triton's interpreter on CPU); the decode kernels
+    size their grids by it."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def split_for(programs: int, device: torch.device) -> int:
     """SPLIT None: one program per (sequence, KV head) over the whole cache (0) where those
     programs fill every SM (measured faster from batch 64, 512 programs); splits otherwise."""
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 1
-    )
-    return 0 if programs >= sms else SMALL_GRID_SPLIT
+    return 0 if programs >= sm_count(device) else SMALL_GRID_SPLIT
 
 
 def pow2(n: int, least: int = 1) -> int:

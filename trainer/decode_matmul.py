@@ -19,10 +19,11 @@ Triton is imported by `load()`, not by importing this module; the op is opaque t
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import torch
+
+from trainer.decode_attention import pow2, sm_count
 
 _kernels: Any = None  # (the @triton.jit function,), once load() has built it
 
@@ -75,10 +76,6 @@ def load():
     return _kernels
 
 
-def pow2(n: int, least: int = 1) -> int:
-    return max(least, 1 << (n - 1).bit_length())
-
-
 def launch(x_MK: torch.Tensor, w_NK: torch.Tensor, cfg: Config) -> torch.Tensor:
     """x W^T as (SPLITS, M, N): fp32 partial sums over SPLITS slices of K, or (1, M, N) in x's
     dtype where SPLITS is 1. x (M, K), w (N, K) with unit stride along K."""
@@ -114,13 +111,6 @@ def projections(config) -> list[tuple[int, int]]:
     return [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
 
 
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def config_for(m: int, n: int, k: int, sms: int) -> Config:
     """The launch for (M, N, K) on a GPU of `sms` SMs: tiles of 64 weight rows, and the fewest
     splits of K (each at least 512 columns) that give every SM a program."""
@@ -136,9 +126,13 @@ def setting(m: int, bn: int, splits: int) -> Config:
     """A launch of BN-row tiles and `splits` splits for m rows: 128-column K tiles up to 64 rows,
     64 beyond, and as many pipeline stages (up to 4) as shared memory holds."""
     bk = 128 if m <= 64 else 64
-    stage = (pow2(m, 16) + bn) * bk * 2  # shared-memory bytes of one pipeline stage
     return Config(bn=bn, bk=bk, splits=splits, warps=4 if m <= 64 else 8,
-                  stages=max(2, min(4, SHARED_BYTES // stage)))  # fmt: skip
+                  stages=max(2, min(4, SHARED_BYTES // stage_bytes(m, bn, bk))))  # fmt: skip
+
+
+def stage_bytes(m: int, bn: int, bk: int) -> int:
+    """Shared memory of one pipeline stage: the x tile (every row) and the weight tile, bf16."""
+    return (pow2(m, 16) + bn) * bk * 2
 
 
 # An opaque op to torch.compile (see trainer/decode_attention.py's): the captured decode step

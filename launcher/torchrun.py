@@ -9,6 +9,7 @@ is echoed here and kept in `logs/launcher.log`.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import re
 import shutil
@@ -84,7 +85,7 @@ def worker_env(cfg: Config) -> dict[str, str]:
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0")
         env.pop("MASTER_ADDR", None)
     if cache := compile_cache(cfg):  # warm starts: compiled kernels outlive the run
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir(cache, Path(root))))
         env.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
         bytecode.keep_bytecode(env, bytecode_dir(cache), bytecode.package_dir())
     return env
@@ -94,6 +95,19 @@ def compile_cache(cfg: Config) -> Path | None:
     return (
         Path(cfg.trainer.compile_cache_dir).expanduser() if cfg.trainer.compile_cache_dir else None
     )
+
+
+# The project's custom ops (torch.library) whose fakes give their output shapes by Python rules of
+# their own (decode_matmul's split count, say): Inductor's cache key covers the traced graph, not
+# those rules, so a graph cached under another version of them replays with the old shapes (and
+# fails its size asserts, or worse). Their source picks the Inductor cache's folder.
+CUSTOM_OPS = ("trainer/decode_attention.py", "trainer/decode_matmul.py")
+
+
+def inductor_dir(cache: Path, root: Path) -> Path:
+    """Inductor's cache folder in the compile cache, one per version of the custom ops' source."""
+    digest = hashlib.sha256(b"".join((root / f).read_bytes() for f in CUSTOM_OPS)).hexdigest()
+    return cache / "inductor" / f"ops-{digest[:12]}"
 
 
 def bytecode_dir(cache: Path) -> Path:

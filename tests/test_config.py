@@ -163,14 +163,32 @@ def test_compiled_kernels_are_cached_where_the_config_says(monkeypatch, tmp_path
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     env = worker_env(compose_config())
-    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / ".cache/hsdp-grpo/compile/inductor")
+    inductor = Path(env["TORCHINDUCTOR_CACHE_DIR"])
+    assert inductor.parent == tmp_path / ".cache/hsdp-grpo/compile/inductor"
     assert env["TRITON_CACHE_DIR"] == str(tmp_path / ".cache/hsdp-grpo/compile/triton")
     env = worker_env(compose_config(f"trainer.compile_cache_dir={tmp_path}/cc"))
-    assert env["TORCHINDUCTOR_CACHE_DIR"] == f"{tmp_path}/cc/inductor"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == f"{tmp_path}/cc/inductor/{inductor.name}"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/mine")
     assert worker_env(compose_config())["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert "TORCHINDUCTOR_CACHE_DIR" not in worker_env(compose_config("trainer.compile_cache_dir="))
+
+
+def test_a_new_version_of_the_custom_ops_gets_a_new_inductor_cache(tmp_path):
+    """Inductor's cache key does not cover a custom op's fake (its output shapes by the op's own
+    rules): a graph cached under other rules would replay with their shapes. Any change to the
+    ops' source moves Inductor's folder; the same source finds the same folder."""
+    from launcher.torchrun import CUSTOM_OPS, inductor_dir
+
+    for f in CUSTOM_OPS:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_bytes((REPO / f).read_bytes())
+    first = inductor_dir(tmp_path / "cc", tmp_path)
+    assert inductor_dir(tmp_path / "cc", tmp_path) == first
+    assert first == inductor_dir(tmp_path / "cc", REPO)
+    with open(tmp_path / CUSTOM_OPS[-1], "a") as f:
+        f.write("\nSHARED_BYTES = 100 * 1024\n")
+    assert inductor_dir(tmp_path / "cc", tmp_path) != first
 
 
 def test_a_first_launch_compiles_the_workers_bytecode_before_they_start(monkeypatch, tmp_path):

@@ -90,3 +90,65 @@ def test_the_op_traces_under_torch_compile():
     torch.library.opcheck(decode_attention, (q, k, v, valid, col))
     step = torch.compile(lambda: decode_attention(q, k, v, valid, col) * 2, fullgraph=True)
     torch.testing.assert_close(step(), 2 * decode_attention(q, k, v, valid, col))
+
+
+def unfused(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, valid, col, heads, eps):
+    """The engine's layer without the fused prologue: the partials summed, q and k RMS-normed and
+    rotated (trainer/engine.py's own functions), K/V written at col, SDPA over columns 0 .. col."""
+    from trainer.engine import rms_norm, rotate
+
+    b, (h, d) = qkv.shape[1], (k_cache.shape[1], k_cache.shape[3])
+    x = qkv.sum(0).to(k_cache.dtype)
+    q, k, v = x.split([heads * d, h * d, h * d], dim=-1)
+    cos, sin = cos[:, None, None], sin[:, None, None]  # (B, 1, 1, D): over heads and the token
+    q = rotate(rms_norm(q.view(b, heads, 1, d), q_norm, eps), cos, sin)
+    k = rotate(rms_norm(k.view(b, h, 1, d), k_norm, eps), cos, sin)
+    k_cache.index_copy_(2, col, k)
+    v_cache.index_copy_(2, col, v.view(b, h, 1, d))
+    seen = valid & (torch.arange(k_cache.shape[2], device=valid.device) <= col)
+    g = heads // h
+    return F.scaled_dot_product_attention(
+        q.view(b, h, g, d).float(), k_cache.float(), v_cache.float(), attn_mask=seen[:, None, None]
+    ).to(k_cache.dtype)
+
+
+@pytest.mark.parametrize(
+    "batch, kv_heads, group, length, col, partials, split",
+    [
+        (3, 2, 4, 200, 150, 1, 0),  # one program over the cache, the projection in the model dtype
+        (2, 2, 3, 300, 128, 3, 128),  # three fp32 partials; col opens a split (its only column)
+        (2, 1, 2, 300, 299, 2, 128),  # col is the last column, in the last (short) split
+        (2, 2, 4, 64, 0, 1, 0),  # the first column: no key from the cache at all
+    ],
+)
+def test_the_fused_prologue_matches_norm_rope_cache_write_and_sdpa(
+    monkeypatch, batch, kv_heads, group, length, col, partials, split
+):
+    """decode_attention_qkv = the engine's q/k norm, RoPE, K/V cache write, then attention: the
+    output and both caches (the new column written, no other touched)."""
+    from trainer import decode_attention as da
+
+    monkeypatch.setattr(da, "SPLIT", split)
+    da.load()
+    torch.manual_seed(0)
+    d, heads, eps = 16, kv_heads * group, 1e-6
+    n = (heads + 2 * kv_heads) * d
+    qkv = torch.randn(partials, batch, n, device=DEVICE)
+    qkv = qkv if partials > 1 else qkv.to(DTYPE)  # fp32 partials, or one product in the dtype
+    q_norm, k_norm = (1 + 0.3 * torch.randn(d, device=DEVICE, dtype=DTYPE) for _ in range(2))
+    angle = torch.rand(batch, d // 2, device=DEVICE) * 6
+    cos, sin = (f(torch.cat([angle, angle], -1)).to(DTYPE) for f in (torch.cos, torch.sin))
+    k_cache, v_cache = (
+        torch.randn(batch, kv_heads, length, d, device=DEVICE, dtype=DTYPE) for _ in range(2)
+    )
+    valid = torch.rand(batch, length, device=DEVICE) > 0.3
+    valid[:, col] = True  # the engine marks the column it writes
+    at = torch.tensor([col], device=DEVICE)
+    args = (q_norm, k_norm, cos, sin)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref = unfused(qkv, *args, k_ref, v_ref, valid, at, heads, eps)
+    out = da.decode_attention_qkv(qkv, *args, k_cache, v_cache, valid, at, heads, eps)
+    assert out.dtype == DTYPE and out.shape == (batch, kv_heads, group, d)
+    torch.testing.assert_close(out, ref, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(k_cache, k_ref, rtol=TOL, atol=TOL)
+    torch.testing.assert_close(v_cache, v_ref, rtol=TOL, atol=TOL)

@@ -158,6 +158,7 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch,
         group=config.num_attention_heads // config.num_key_value_heads, head_dim=config.head_dim,
         cache_length=cache_length(max(map(len, prompts)), params.max_new_tokens), logprob=True,
         matmul=[[len(prompts), n, k] for n, k in decode_matmul.projections(config)],
+        eps=config.rms_norm_eps,
     )  # fmt: skip
     kernel_warmup.warm(spec, DEVICE, torch.float32, report=lambda name: None)
     for kernel, launched in worker.items():

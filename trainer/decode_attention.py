@@ -60,20 +60,79 @@ def load():
     import triton.language as tl
 
     @triton.jit
+    def norm_rope(X, off, d, mask, W, cs, sn, S: tl.constexpr, sqs, D: tl.constexpr,
+                  EPS: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+        """Heads at X + off (+ i sqs for each of the S partials) summed, RMS-normed with weight W
+        and rotated by cos/sin (Qwen3's q/k norm then RoPE; rounded to DT where the unfused
+        layer rounds: the projection's output, the norm's, the result)."""
+        half = (d + D // 2) % D  # rotate_half: x[d + D/2] negated in the first half, x[d - D/2]
+        x = tl.zeros(off.shape, tl.float32)
+        xr = tl.zeros(off.shape, tl.float32)
+        for i in tl.static_range(S):
+            x += tl.load(X + i * sqs + off + d, mask=mask, other=0.0).to(tl.float32)
+            xr += tl.load(X + i * sqs + off + half, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(DT).to(tl.float32)
+        xr = xr.to(DT).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, -1, keep_dims=True) / D + EPS)
+        x = (x * rstd).to(DT).to(tl.float32) * tl.load(W + d).to(tl.float32)
+        xr = (xr * rstd).to(DT).to(tl.float32) * tl.load(W + half).to(tl.float32)
+        x = x.to(DT).to(tl.float32)
+        xr = tl.where(d < D // 2, -xr, xr).to(DT).to(tl.float32)
+        return (x * cs + xr * sn).to(DT)
+
+    @triton.jit
+    def prologue(QKV, QW, KW, COS, SIN, sqs, sqb, scb, b, h, g, d, rows,
+                 G: tl.constexpr, D: tl.constexpr, S: tl.constexpr, KOFF: tl.constexpr,
+                 VOFF: tl.constexpr, EPS: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+        """This step's q (the G query heads of KV head h, GP x D), k and v (D) for row b, from
+        the q/k/v projection's partial sums: what the unfused layer computes with its q/k norm,
+        RoPE and the K/V cache write (three elementwise kernels) before the attention."""
+        base = QKV + b * sqb
+        cs = tl.load(COS + b * scb + d).to(tl.float32)
+        sn = tl.load(SIN + b * scb + d).to(tl.float32)
+        q_off = (h * G + g)[:, None] * D + tl.zeros((1, D), tl.int32)
+        q = norm_rope(base, q_off, d[None, :], rows[:, None], QW, cs[None, :], sn[None, :],
+                      S, sqs, D, EPS, DT)  # fmt: skip
+        k_new = norm_rope(base, KOFF + h * D + tl.zeros((D,), tl.int32), d, d < D, KW, cs, sn,
+                          S, sqs, D, EPS, DT)  # fmt: skip
+        v = tl.zeros((D,), tl.float32)
+        for i in tl.static_range(S):
+            v += tl.load(base + i * sqs + VOFF + h * D + d).to(tl.float32)
+        return q, k_new, v.to(DT)
+
+    # Triton resolves a kernel's callees among its module's globals, not the closure of load()
+    globals().update(norm_rope=norm_rope, prologue=prologue)
+
+    @triton.jit
     def split_kernel(Q, K, V, Valid, Col, Out, LSE,
                      sqb, sqh, skb, skh, svb, svh, sab, sob, soh, sos, slb, slh, sls,
-                     L, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SCALE: tl.constexpr,
+                     L, QW, KW, COS, SIN, sqs, scb,
+                     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SCALE: tl.constexpr,
                      SPLIT: tl.constexpr, BLOCK: tl.constexpr, V_FIRST: tl.constexpr,
-                     DIRECT: tl.constexpr):  # fmt: skip
+                     DIRECT: tl.constexpr,
+                     # FUSED: Q is the q/k/v projection's (S, B, N) partial sums; see `prologue`
+                     FUSED: tl.constexpr, S: tl.constexpr,
+                     KOFF: tl.constexpr, VOFF: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.minimum(tl.load(Col) + 1, L)  # columns 0 .. col are filled
         lo = s * SPLIT  # DIRECT: SPLIT spans the whole cache, s is 0
-        hi = tl.minimum(n, lo + SPLIT)  # lo >= hi: a split past the filled columns reads nothing
+        # lo >= hi: a split past the filled columns reads nothing. FUSED: column col is this
+        # step's own K/V, which the prologue computes: attended from registers, not the cache
+        hi = tl.minimum(n - 1 if FUSED else n, lo + SPLIT)
         g, d = tl.arange(0, GP), tl.arange(0, D)
         rows = g < G
-        q = tl.load(
-            Q + b * sqb + h * sqh + g[:, None] * D + d[None, :], mask=rows[:, None], other=0.0
-        )
+        if FUSED:
+            q, k_new, v_new = prologue(Q, QW, KW, COS, SIN, sqs, sqb, scb, b, h, g, d, rows,
+                                       G, D, S, KOFF, VOFF, EPS, K.dtype.element_ty)  # fmt: skip
+            col = n - 1
+            own = (lo <= col) & (col < lo + SPLIT)  # the one program that writes column col
+            at = b * skb + h * skh + col * D + d
+            tl.store(K + at, k_new, mask=own & (d < D))
+            tl.store(V + b * svb + h * svh + col * D + d, v_new, mask=own & (d < D))
+        else:
+            q = tl.load(
+                Q + b * sqb + h * sqh + g[:, None] * D + d[None, :], mask=rows[:, None], other=0.0
+            )
         m = tl.full((GP,), float("-inf"), tl.float32)
         denom = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
@@ -102,6 +161,17 @@ def load():
                     v = tl.load(v_at, mask=inb[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m = m_new
+        if FUSED:  # column col, from registers, where this program owns it and it is valid
+            ok_new = own & (tl.load(Valid + b * sab + col) != 0)
+            qk = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * SCALE
+            qk = tl.where(ok_new, qk, float("-inf"))
+            m_new = tl.maximum(m, qk)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(qk - m_safe)
+            alpha = tl.exp(m - m_safe)
+            denom = denom * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
+            m = m_new
         some = denom > 0
         out = acc / tl.where(some, denom, 1.0)[:, None]
         out_at = Out + b * sob + h * soh + s * sos + g[:, None] * D + d[None, :]
@@ -188,26 +258,55 @@ def launch(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
     one-program kernel serves every cache length up to its `span` (prompt widths vary by step),
     whatever split led to it (trainer/kernel_warmup.py compiles it before the first call)."""
     b, h, g, d = q_BHGD.shape
+    q = q_BHGD.contiguous()
+    none = torch.empty(0, device=q.device)
+    out = torch.empty_like(q)
+    fused = (none, none, none, none, 0, 0, False, 1, 0, 0, 0.0)
+    return _attend(q, q.stride(0), q.stride(1), k_BHLD, v_BHLD, valid_BL, col_1, out, split, fused)
+
+
+def launch_qkv(qkv_SBN: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+               cos_BD: torch.Tensor, sin_BD: torch.Tensor, k_BHLD: torch.Tensor,
+               v_BHLD: torch.Tensor, valid_BL: torch.Tensor, col_1: torch.Tensor, heads: int,
+               eps: float, split: int) -> torch.Tensor:  # fmt: skip
+    """`decode_attention_qkv` with splits of `split` cache columns (as `launch`)."""
+    _, b, n = qkv_SBN.shape
+    h, d = k_BHLD.shape[1], k_BHLD.shape[3]
+    assert n == (heads + 2 * h) * d and heads % h == 0, (qkv_SBN.shape, heads, h, d)
+    assert qkv_SBN.stride(2) == 1 and cos_BD.stride(1) == 1 and sin_BD.stride() == cos_BD.stride()
+    out = torch.empty((b, h, heads // h, d), dtype=k_BHLD.dtype, device=k_BHLD.device)
+    fused = (q_norm, k_norm, cos_BD, sin_BD, qkv_SBN.stride(0), cos_BD.stride(0), True,
+             qkv_SBN.shape[0], heads * d, (heads + h) * d, eps)  # fmt: skip
+    return _attend(
+        qkv_SBN, qkv_SBN.stride(1), 0, k_BHLD, v_BHLD, valid_BL, col_1, out, split, fused
+    )
+
+
+def _attend(q, sqb: int, sqh: int, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
+            valid_BL: torch.Tensor, col_1: torch.Tensor, out: torch.Tensor, split: int,
+            fused: tuple) -> torch.Tensor:  # fmt: skip
+    """The split kernel (and the merge where there are splits) writing `out` (B, Hkv, G, D)."""
+    b, h, g, d = out.shape
     length = k_BHLD.shape[2]
     assert k_BHLD.stride(3) == 1 and k_BHLD.stride(2) == d and v_BHLD.stride(2) == d
     assert supports(d), "head_dim must be a power of two >= 16"
-    q = q_BHGD.contiguous()
     splits = -(-length // split) if split else 1
     split_kernel, merge_kernel = _kernels
-    out = torch.empty_like(q)
     if splits == 1:  # one program per (sequence, KV head) writes the output: no partials
         part, lse = out[:, :, None], out.new_empty((1, 1, 1, 1), dtype=torch.float32)
     else:
-        part = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=q.device)
-        lse = torch.empty((b, h, splits, g), dtype=torch.float32, device=q.device)
+        part = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=out.device)
+        lse = torch.empty((b, h, splits, g), dtype=torch.float32, device=out.device)
+    qw, kw, cos, sin, sqs, scb, is_fused, s, koff, voff, eps = fused
     split_kernel[(b, h, splits)](
         q, k_BHLD, v_BHLD, valid_BL, col_1, part, lse,
-        q.stride(0), q.stride(1), k_BHLD.stride(0), k_BHLD.stride(1), v_BHLD.stride(0),
+        sqb, sqh, k_BHLD.stride(0), k_BHLD.stride(1), v_BHLD.stride(0),
         v_BHLD.stride(1), valid_BL.stride(0), part.stride(0), part.stride(1), part.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2), length,
+        lse.stride(0), lse.stride(1), lse.stride(2), length, qw, kw, cos, sin, sqs, scb,
         G=g, GP=pow2(g, 16), D=d, SCALE=d**-0.5, SPLIT=split if splits > 1 else span(length),
-        BLOCK=BLOCK,
-        V_FIRST=V_FIRST, DIRECT=splits == 1, num_warps=WARPS, num_stages=STAGES,
+        BLOCK=BLOCK, V_FIRST=V_FIRST, DIRECT=splits == 1,
+        FUSED=is_fused, S=s, KOFF=koff,
+        VOFF=voff, EPS=eps, num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     if splits > 1:
         merge_kernel[(b, h)](
@@ -221,3 +320,29 @@ def launch(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
 @decode_attention.register_fake
 def _(q_BHGD, k_BHLD, v_BHLD, valid_BL, col_1):
     return torch.empty_like(q_BHGD)
+
+
+@torch.library.custom_op("hsdp_grpo::decode_attention_qkv", mutates_args=("k_BHLD", "v_BHLD"))
+def decode_attention_qkv(qkv_SBN: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                         cos_BD: torch.Tensor, sin_BD: torch.Tensor, k_BHLD: torch.Tensor,
+                         v_BHLD: torch.Tensor, valid_BL: torch.Tensor, col_1: torch.Tensor,
+                         heads: int, eps: float) -> torch.Tensor:  # fmt: skip
+    """A Qwen3 decode step's attention from its q/k/v projection: the q and k heads RMS-normed
+    (weights q_norm, k_norm) and rotated (cos, sin of each row's position, (B, D)), this step's
+    K/V written into cache column col, then `decode_attention` over columns 0 .. col. What the
+    unfused layer does in three elementwise kernels before the attention is this kernel's
+    prologue.
+
+    qkv: (S, B, (heads + 2 Hkv) D), the projection as S partial sums over K (fp32 where S > 1,
+    trainer/decode_matmul.py), or (1, B, N) in the model's dtype. Returns (B, Hkv, G, D) in the
+    cache's dtype. `load()` must have run first."""
+    b, h = qkv_SBN.shape[1], k_BHLD.shape[1]
+    split = SPLIT if SPLIT is not None else split_for(b * h, k_BHLD.device)
+    return launch_qkv(qkv_SBN, q_norm, k_norm, cos_BD, sin_BD, k_BHLD, v_BHLD, valid_BL, col_1,
+                      heads, eps, split)  # fmt: skip
+
+
+@decode_attention_qkv.register_fake
+def _(qkv_SBN, q_norm, k_norm, cos_BD, sin_BD, k_BHLD, v_BHLD, valid_BL, col_1, heads, eps):
+    b, (h, d) = qkv_SBN.shape[1], (k_BHLD.shape[1], k_BHLD.shape[3])
+    return k_BHLD.new_empty((b, h, heads // h, d))

@@ -275,6 +275,25 @@ class FusedQwen3:
         skinny = t == 1 and self.matmul == "triton" and b <= triton_matmul.MAX_ROWS
         linear = triton_matmul.linear if skinny else F.linear
         h = rms_norm(x, norm1, eps)
+        if t == 1 and self.attention == "triton" and qkv_b is None:
+            # a decode step: the q/k norm, RoPE and the K/V cache write are the attention
+            # kernel's prologue, which reads the projection's partial sums (no kernels between)
+            qkv = (triton_matmul.decode_linear(h.view(b, -1), qkv_w) if skinny
+                   else F.linear(h, qkv_w).view(1, b, -1))  # fmt: skip
+            o = triton_attention.decode_attention_qkv(
+                qkv,
+                q_norm,
+                k_norm,
+                cos.view(b, hd),
+                sin.view(b, hd),
+                k_cache,
+                v_cache,
+                self.key_valid,
+                cols_T,
+                nq,
+                eps,
+            ).view(b, t, nq * hd)
+            return self.mlp(x, o, o_w, norm2, gate_up_w, down_w, linear)
         q, k, v = linear(h, qkv_w, qkv_b).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         q = rms_norm(q.view(b, t, nq, hd), q_norm, eps).transpose(1, 2)
         k = rms_norm(k.view(b, t, nkv, hd), k_norm, eps).transpose(1, 2)
@@ -299,8 +318,13 @@ class FusedQwen3:
                 q.reshape(b, nkv, g, hd), k_cache[:, :, :span], v_cache[:, :, :span],
                 attn_mask=mask_B1TK.repeat(1, 1, g, 1) if g > 1 else mask_B1TK,
             ).view(b, nq, t, hd)  # fmt: skip
-        x = x + linear(o.transpose(1, 2).reshape(b, t, nq * hd), o_w)
-        gate, up = linear(rms_norm(x, norm2, eps), gate_up_w).chunk(2, dim=-1)
+        return self.mlp(x, o.transpose(1, 2).reshape(b, t, nq * hd), o_w, norm2, gate_up_w, down_w,
+                        linear)  # fmt: skip
+
+    def mlp(self, x, o, o_w, norm2, gate_up_w, down_w, linear) -> torch.Tensor:
+        """The layer after its attention: the output projection's residual, then the MLP's."""
+        x = x + linear(o, o_w)
+        gate, up = linear(rms_norm(x, norm2, self.config.rms_norm_eps), gate_up_w).chunk(2, dim=-1)
         return x + linear(F.silu(gate) * up, down_w)
 
     def prefill_layer(self, *args) -> torch.Tensor:

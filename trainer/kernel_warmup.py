@@ -52,6 +52,9 @@ class Spec:
     # rl.decode_matmul resolved to triton: [rows, N, K] of each of a decode step's projections
     # (decode_matmul.projections at the rows of an engine call); empty: cuBLAS
     matmul: list[list[int]] = field(default_factory=list)
+    eps: float = 1e-6  # the q/k norms' (a constexpr of the attention's prologue)
+    # the decode attention takes q, not the q/k/v projection (trainer/engine.py: a biased one)
+    qkv_bias: bool = False
 
 
 def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[list[int]]) -> Spec:
@@ -89,6 +92,8 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
         matmul=[[rows, n, k] for n, k in dm.projections(config)]
         if static and options["matmul"] == "triton" and rows <= dm.MAX_ROWS
         else [],
+        eps=config.rms_norm_eps,
+        qkv_bias=bool(getattr(config, "attention_bias", False)),
     )
 
 
@@ -133,14 +138,43 @@ def warm(spec: Spec, device: torch.device, dtype: torch.dtype = torch.bfloat16,
         from trainer import decode_attention as da
 
         da.load()
-        length = spec.cache_length
-        q = torch.zeros((1, spec.kv_heads, spec.group, spec.head_dim), dtype=dtype, device=device)
-        k = torch.zeros((1, spec.kv_heads, length, spec.head_dim), dtype=dtype, device=device)
-        valid = torch.ones((1, length), dtype=torch.bool, device=device)
+        length, hd, kv, heads = (
+            spec.cache_length,
+            spec.head_dim,
+            spec.kv_heads,
+            spec.kv_heads * spec.group,
+        )
         col = torch.zeros(1, dtype=torch.long, device=device)
         # one program per row and KV head over the whole cache (batches that fill the GPU), or
         # splits of spec.attention columns and their merge (whose split count follows the length)
-        da.launch(q, k, k, valid, col, spec.attention)
+        if spec.qkv_bias:
+            q = torch.zeros((1, kv, spec.group, hd), dtype=dtype, device=device)
+            k = torch.zeros((1, kv, length, hd), dtype=dtype, device=device)
+            da.launch(q, k, k, torch.ones((1, length), dtype=torch.bool, device=device), col,
+                      spec.attention)  # fmt: skip
+        else:  # the engine's: from the q/k/v projection, as the decode matmul leaves it
+            n = (heads + 2 * kv) * hd
+            if spec.matmul:  # its partial sums at the real rows (their count is a constexpr)
+                from trainer import decode_matmul as dm
+
+                dm.load()
+                rows, _, width = spec.matmul[0]
+                qkv = dm.decode_linear(
+                    torch.zeros((rows, width), dtype=dtype, device=device),
+                    torch.zeros((n, width), dtype=dtype, device=device),
+                )
+            else:  # cuBLAS's product, one partial in the model's dtype
+                qkv = torch.zeros((1, 1, n), dtype=dtype, device=device)
+            b = qkv.shape[1]
+            k = torch.zeros((b, kv, length, hd), dtype=dtype, device=device)
+            norm, rope = (
+                torch.ones(hd, dtype=dtype, device=device),
+                torch.zeros((b, hd), dtype=dtype, device=device),
+            )
+            valid = torch.ones((b, length), dtype=torch.bool, device=device)
+            da.launch_qkv(
+                qkv, norm, norm, rope, rope, k, k, valid, col, heads, spec.eps, spec.attention
+            )
         finished("decode attention")
     if spec.matmul:
         from trainer import decode_matmul as dm

@@ -152,3 +152,7 @@ def test_the_fused_prologue_matches_norm_rope_cache_write_and_sdpa(
     torch.testing.assert_close(out, ref, rtol=TOL, atol=TOL)
     torch.testing.assert_close(k_cache, k_ref, rtol=TOL, atol=TOL)
     torch.testing.assert_close(v_cache, v_ref, rtol=TOL, atol=TOL)
+    if col == 0:  # the op's fake and declared mutations against the kernel (traced in the engine)
+        torch.library.opcheck(
+            da.decode_attention_qkv, (qkv, *args, k_cache, v_cache, valid, at, heads, eps)
+        )

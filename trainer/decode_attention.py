@@ -27,6 +27,7 @@ module: CPU runs and machines without Triton never need it.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
@@ -44,6 +45,11 @@ SMALL_GRID_SPLIT = 128  # SPLIT None: the split where B x Hkv programs are fewer
 
 
 _kernels: Any = None  # (split, merge) @triton.jit functions, once load() has built them
+
+
+def interpreted() -> bool:
+    """Triton runs kernels in its interpreter (the CPU tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def supports(head_dim: int) -> bool:
@@ -100,8 +106,32 @@ def load():
             v += tl.load(base + i * sqs + VOFF + h * D + d).to(tl.float32)
         return q, k_new, v.to(DT)
 
+    @triton.jit
+    def block(q, K, V, Valid, start, hi, m, denom, acc, d, D: tl.constexpr, SCALE: tl.constexpr,
+              BLOCK: tl.constexpr, V_FIRST: tl.constexpr):  # fmt: skip
+        """The online softmax over cache columns start .. start + BLOCK (those below hi, valid)
+        of one sequence and KV head (K, V, Valid at its row): (m, denom, acc) updated."""
+        c = start + tl.arange(0, BLOCK)
+        inb = c < hi
+        ok = inb & (tl.load(Valid + c, mask=inb, other=0) != 0)
+        k = tl.load(K + c[:, None] * D + d[None, :], mask=inb[:, None], other=0.0)
+        v_at = V + c[:, None] * D + d[None, :]
+        if V_FIRST:
+            v = tl.load(v_at, mask=inb[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * SCALE
+        qk = tl.where(ok[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: no NaN
+        p = tl.exp(qk - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        denom = denom * alpha + tl.sum(p, 1)
+        if not V_FIRST:
+            v = tl.load(v_at, mask=inb[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, denom, acc
+
     # Triton resolves a kernel's callees among its module's globals, not the closure of load()
-    globals().update(norm_rope=norm_rope, prologue=prologue)
+    globals().update(norm_rope=norm_rope, prologue=prologue, block=block)
 
     @triton.jit
     def split_kernel(Q, K, V, Valid, Col, Out, LSE,
@@ -112,7 +142,8 @@ def load():
                      DIRECT: tl.constexpr,
                      # FUSED: Q is the q/k/v projection's (S, B, N) partial sums; see `prologue`
                      FUSED: tl.constexpr, S: tl.constexpr,
-                     KOFF: tl.constexpr, VOFF: tl.constexpr, EPS: tl.constexpr):  # fmt: skip
+                     KOFF: tl.constexpr, VOFF: tl.constexpr, EPS: tl.constexpr,
+                     PIPELINED: tl.constexpr):  # fmt: skip
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.minimum(tl.load(Col) + 1, L)  # columns 0 .. col are filled
         lo = s * SPLIT  # DIRECT: SPLIT spans the whole cache, s is 0
@@ -136,31 +167,16 @@ def load():
         m = tl.full((GP,), float("-inf"), tl.float32)
         denom = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
-        for off in range(0, SPLIT, BLOCK):
-            start = lo + off
-            if start < hi:  # blocks past the filled columns are skipped, not read
-                c = start + tl.arange(0, BLOCK)
-                inb = c < hi
-                ok = inb & (tl.load(Valid + b * sab + c, mask=inb, other=0) != 0)
-                k = tl.load(
-                    K + b * skb + h * skh + c[:, None] * D + d[None, :],
-                    mask=inb[:, None],
-                    other=0.0,
-                )
-                v_at = V + b * svb + h * svh + c[:, None] * D + d[None, :]
-                if V_FIRST:
-                    v = tl.load(v_at, mask=inb[:, None], other=0.0)
-                qk = tl.dot(q, tl.trans(k)) * SCALE
-                qk = tl.where(ok[None, :], qk, float("-inf"))
-                m_new = tl.maximum(m, tl.max(qk, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: no NaN
-                p = tl.exp(qk - m_safe[:, None])
-                alpha = tl.exp(m - m_safe)
-                denom = denom * alpha + tl.sum(p, 1)
-                if not V_FIRST:
-                    v = tl.load(v_at, mask=inb[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m = m_new
+        kv_b, valid_b = b * skb + h * skh, Valid + b * sab  # (V: its own strides)
+        if PIPELINED:  # the filled blocks as the loop's bound: Triton pipelines their loads
+            for start in tl.range(lo, hi, BLOCK):
+                m, denom, acc = block(q, K + kv_b, V + b * svb + h * svh, valid_b, start, hi,
+                                      m, denom, acc, d, D, SCALE, BLOCK, V_FIRST)  # fmt: skip
+        else:  # Triton's interpreter takes no loop bound from a tensor: every block, skipped past hi
+            for off in range(0, SPLIT, BLOCK):
+                if lo + off < hi:
+                    m, denom, acc = block(q, K + kv_b, V + b * svb + h * svh, valid_b, lo + off,
+                                          hi, m, denom, acc, d, D, SCALE, BLOCK, V_FIRST)  # fmt: skip
         if FUSED:  # column col, from registers, where this program owns it and it is valid
             ok_new = own & (tl.load(Valid + b * sab + col) != 0)
             qk = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * SCALE
@@ -306,7 +322,7 @@ def _attend(q, sqb: int, sqh: int, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
         G=g, GP=pow2(g, 16), D=d, SCALE=d**-0.5, SPLIT=split if splits > 1 else span(length),
         BLOCK=BLOCK, V_FIRST=V_FIRST, DIRECT=splits == 1,
         FUSED=is_fused, S=s, KOFF=koff,
-        VOFF=voff, EPS=eps, num_warps=WARPS, num_stages=STAGES,
+        VOFF=voff, EPS=eps, PIPELINED=not interpreted(), num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     if splits > 1:
         merge_kernel[(b, h)](

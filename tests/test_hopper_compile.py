@@ -1,0 +1,34 @@
+"""The decode kernels compile for Hopper without a GPU (tests/hopper_compile.py: Triton's GPU
+passes and ptxas, which the interpreter never runs), and their loads are software-pipelined: a
+bandwidth-bound loop that waits on each tile's load reads at a fraction of HBM's speed, and a
+change to the loop's shape can silently lose the pipelining (the decode attention's static loop
+with a skip compiled to one tile and no stages)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytest.importorskip("triton")
+
+
+def test_the_decode_kernels_compile_for_sm90_with_their_loads_pipelined():
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, str(REPO / "tests/hopper_compile.py")], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launches = [json.loads(line) for line in proc.stdout.splitlines()]
+    kinds = {(x["kernel"], x.get("FUSED"), x.get("DIRECT")) for x in launches}
+    assert kinds >= {("matmul", None, None), ("merge", None, None), ("attention", True, True),
+                     ("attention", True, False), ("attention", False, True)}  # fmt: skip
+    from trainer.decode_matmul import stage_bytes
+
+    for x in launches:
+        if x["kernel"] == "attention":  # at least two stages of a K and a V tile (bf16)
+            assert x["shared"] >= 2 * 2 * x["BLOCK"] * x["D"] * 2, x
+        elif x["kernel"] == "matmul":  # every stage the launch asked for
+            assert x["shared"] >= x["num_stages"] * stage_bytes(x["BM"], x["BN"], x["BK"]), x

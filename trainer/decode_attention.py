@@ -16,10 +16,12 @@ per-sequence key mask), each byte once, with enough programs to keep every SM st
   default, SPLIT None, splits only where they do not), the fp32 partials (a fifth of the KV
   bytes at 4 query heads and 3 splits) and the merge are waste.
 
-The cache length is a run-time argument; the one-program kernel's column loop is bounded by the
-cache length rounded up to a power of two (`span`), so one compile serves every cache length up to
-it (the length was a constexpr: a compile per buffer size, 7.1 s each, cold, on an H100 machine,
-and prompt widths vary by step). Triton is imported
+The cache length is a run-time argument, so one compile serves every cache length up to the
+one-program kernel's `span` (the length rounded up to a power of two; the length was a constexpr:
+a compile per buffer size, 7.1 s each, cold, on an H100 machine, and prompt widths vary by step).
+On a GPU the column loop runs over the filled blocks only (its bound read from `col`), which lets
+Triton pipeline the K/V loads; Triton's interpreter takes no loop bound from a tensor, so there
+the loop runs over the span and skips the blocks past the filled columns (one block body for both). Triton is imported
 by `load()` (the engine calls it when it is built with this attention), not by importing this
 module: CPU runs and machines without Triton never need it.
 """
@@ -152,13 +154,13 @@ def load():
         hi = tl.minimum(n - 1 if FUSED else n, lo + SPLIT)
         g, d = tl.arange(0, GP), tl.arange(0, D)
         rows = g < G
+        kv_b, valid_b = b * skb + h * skh, Valid + b * sab  # (V: its own strides)
         if FUSED:
             q, k_new, v_new = prologue(Q, QW, KW, COS, SIN, sqs, sqb, scb, b, h, g, d, rows,
                                        G, D, S, KOFF, VOFF, EPS, K.dtype.element_ty)  # fmt: skip
             col = n - 1
             own = (lo <= col) & (col < lo + SPLIT)  # the one program that writes column col
-            at = b * skb + h * skh + col * D + d
-            tl.store(K + at, k_new, mask=own & (d < D))
+            tl.store(K + kv_b + col * D + d, k_new, mask=own & (d < D))
             tl.store(V + b * svb + h * svh + col * D + d, v_new, mask=own & (d < D))
         else:
             q = tl.load(
@@ -167,7 +169,6 @@ def load():
         m = tl.full((GP,), float("-inf"), tl.float32)
         denom = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
-        kv_b, valid_b = b * skb + h * skh, Valid + b * sab  # (V: its own strides)
         if PIPELINED:  # the filled blocks as the loop's bound: Triton pipelines their loads
             for start in tl.range(lo, hi, BLOCK):
                 m, denom, acc = block(q, K + kv_b, V + b * svb + h * svh, valid_b, start, hi,
@@ -178,7 +179,7 @@ def load():
                     m, denom, acc = block(q, K + kv_b, V + b * svb + h * svh, valid_b, lo + off,
                                           hi, m, denom, acc, d, D, SCALE, BLOCK, V_FIRST)  # fmt: skip
         if FUSED:  # column col, from registers, where this program owns it and it is valid
-            ok_new = own & (tl.load(Valid + b * sab + col) != 0)
+            ok_new = own & (tl.load(valid_b + col) != 0)
             qk = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * SCALE
             qk = tl.where(ok_new, qk, float("-inf"))
             m_new = tl.maximum(m, qk)

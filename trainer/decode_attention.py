@@ -110,7 +110,7 @@ def load():
 
     @triton.jit
     def block(q, K, V, Valid, start, hi, m, denom, acc, d, D: tl.constexpr, SCALE: tl.constexpr,
-              BLOCK: tl.constexpr, V_FIRST: tl.constexpr):  # fmt: skip
+              BLOCK: tl.constexpr, V_FIRST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
         """The online softmax over cache columns start .. start + BLOCK (those below hi, valid)
         of one sequence and KV head (K, V, Valid at its row): (m, denom, acc) updated."""
         c = start + tl.arange(0, BLOCK)
@@ -120,7 +120,7 @@ def load():
         v_at = V + c[:, None] * D + d[None, :]
         if V_FIRST:
             v = tl.load(v_at, mask=inb[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * SCALE
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALE
         qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: no NaN
@@ -129,7 +129,7 @@ def load():
         denom = denom * alpha + tl.sum(p, 1)
         if not V_FIRST:
             v = tl.load(v_at, mask=inb[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, denom, acc
 
     # Triton resolves a kernel's callees among its module's globals, not the closure of load()
@@ -145,7 +145,7 @@ def load():
                      # FUSED: Q is the q/k/v projection's (S, B, N) partial sums; see `prologue`
                      FUSED: tl.constexpr, S: tl.constexpr,
                      KOFF: tl.constexpr, VOFF: tl.constexpr, EPS: tl.constexpr,
-                     PIPELINED: tl.constexpr):  # fmt: skip
+                     PIPELINED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.minimum(tl.load(Col) + 1, L)  # columns 0 .. col are filled
         lo = s * SPLIT  # DIRECT: SPLIT spans the whole cache, s is 0
@@ -154,14 +154,14 @@ def load():
         hi = tl.minimum(n - 1 if FUSED else n, lo + SPLIT)
         g, d = tl.arange(0, GP), tl.arange(0, D)
         rows = g < G
-        kv_b, valid_b = b * skb + h * skh, Valid + b * sab  # (V: its own strides)
+        k_b, v_b, valid_b = K + b * skb + h * skh, V + b * svb + h * svh, Valid + b * sab
         if FUSED:
             q, k_new, v_new = prologue(Q, QW, KW, COS, SIN, sqs, sqb, scb, b, h, g, d, rows,
                                        G, D, S, KOFF, VOFF, EPS, K.dtype.element_ty)  # fmt: skip
             col = n - 1
             own = (lo <= col) & (col < lo + SPLIT)  # the one program that writes column col
-            tl.store(K + kv_b + col * D + d, k_new, mask=own & (d < D))
-            tl.store(V + b * svb + h * svh + col * D + d, v_new, mask=own & (d < D))
+            tl.store(k_b + col * D + d, k_new, mask=own & (d < D))
+            tl.store(v_b + col * D + d, v_new, mask=own & (d < D))
         else:
             q = tl.load(
                 Q + b * sqb + h * sqh + g[:, None] * D + d[None, :], mask=rows[:, None], other=0.0
@@ -171,13 +171,13 @@ def load():
         acc = tl.zeros((GP, D), tl.float32)
         if PIPELINED:  # the filled blocks as the loop's bound: Triton pipelines their loads
             for start in tl.range(lo, hi, BLOCK):
-                m, denom, acc = block(q, K + kv_b, V + b * svb + h * svh, valid_b, start, hi,
-                                      m, denom, acc, d, D, SCALE, BLOCK, V_FIRST)  # fmt: skip
-        else:  # Triton's interpreter takes no loop bound from a tensor: every block, skipped past hi
+                m, denom, acc = block(q, k_b, v_b, valid_b, start, hi, m, denom, acc, d, D, SCALE,
+                                      BLOCK, V_FIRST, PRECISION)  # fmt: skip
+        else:  # Triton's interpreter takes no loop bound from a tensor: each block, skipped past hi
             for off in range(0, SPLIT, BLOCK):
                 if lo + off < hi:
-                    m, denom, acc = block(q, K + kv_b, V + b * svb + h * svh, valid_b, lo + off,
-                                          hi, m, denom, acc, d, D, SCALE, BLOCK, V_FIRST)  # fmt: skip
+                    m, denom, acc = block(q, k_b, v_b, valid_b, lo + off, hi, m, denom, acc, d, D,
+                                          SCALE, BLOCK, V_FIRST, PRECISION)  # fmt: skip
         if FUSED:  # column col, from registers, where this program owns it and it is valid
             ok_new = own & (tl.load(valid_b + col) != 0)
             qk = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * SCALE
@@ -323,7 +323,10 @@ def _attend(q, sqb: int, sqh: int, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
         G=g, GP=pow2(g, 16), D=d, SCALE=d**-0.5, SPLIT=split if splits > 1 else span(length),
         BLOCK=BLOCK, V_FIRST=V_FIRST, DIRECT=splits == 1,
         FUSED=is_fused, S=s, KOFF=koff,
-        VOFF=voff, EPS=eps, PIPELINED=not interpreted(), num_warps=WARPS, num_stages=STAGES,
+        VOFF=voff, EPS=eps, PIPELINED=not interpreted(),
+        # an fp32 cache gets fp32 products (tl.dot takes fp32 as TF32 by default on a GPU)
+        PRECISION="ieee" if k_BHLD.dtype == torch.float32 else "tf32",
+        num_warps=WARPS, num_stages=STAGES,
     )  # fmt: skip
     if splits > 1:
         merge_kernel[(b, h)](

@@ -281,18 +281,9 @@ class FusedQwen3:
             qkv = (triton_matmul.decode_linear(h.view(b, -1), qkv_w) if skinny
                    else F.linear(h, qkv_w).view(1, b, -1))  # fmt: skip
             o = triton_attention.decode_attention_qkv(
-                qkv,
-                q_norm,
-                k_norm,
-                cos.view(b, hd),
-                sin.view(b, hd),
-                k_cache,
-                v_cache,
-                self.key_valid,
-                cols_T,
-                nq,
-                eps,
-            ).view(b, t, nq * hd)
+                qkv, q_norm, k_norm, cos.view(b, hd), sin.view(b, hd), k_cache, v_cache,
+                self.key_valid, cols_T, nq, eps,
+            ).view(b, t, nq * hd)  # fmt: skip
             return self.mlp(x, o, o_w, norm2, gate_up_w, down_w, linear)
         q, k, v = linear(h, qkv_w, qkv_b).split([nq * hd, nkv * hd, nkv * hd], dim=-1)
         q = rms_norm(q.view(b, t, nq, hd), q_norm, eps).transpose(1, 2)

@@ -47,11 +47,9 @@ SMALL_GRID_SPLIT = 128  # SPLIT None: the split where B x Hkv programs are fewer
 
 
 _kernels: Any = None  # (split, merge) @triton.jit functions, once load() has built them
-
-
-def interpreted() -> bool:
-    """Triton runs kernels in its interpreter (the CPU tests)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+# compiled kernels (not Triton's interpreter, which takes no loop bound from a tensor): the column
+# loop bounded by the filled blocks; fixed by load(), as Triton fixes the kernels' interpretation
+_pipelined = True
 
 
 def supports(head_dim: int) -> bool:
@@ -61,11 +59,13 @@ def supports(head_dim: int) -> bool:
 
 def load():
     """Build the kernels (imports Triton); outside torch.compile, so the traced step sees a global."""
-    global _kernels
+    global _kernels, _pipelined
     if _kernels is not None:
         return _kernels
     import triton
     import triton.language as tl
+
+    _pipelined = os.environ.get("TRITON_INTERPRET") != "1"
 
     @triton.jit
     def norm_rope(X, off, d, mask, W, cs, sn, S: tl.constexpr, sqs, D: tl.constexpr,
@@ -276,9 +276,8 @@ def launch(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
     whatever split led to it (trainer/kernel_warmup.py compiles it before the first call)."""
     b, h, g, d = q_BHGD.shape
     q = q_BHGD.contiguous()
-    none = torch.empty(0, device=q.device)
     out = torch.empty_like(q)
-    fused = (none, none, none, none, 0, 0, False, 1, 0, 0, 0.0)
+    fused = (q, q, q, q, 0, 0, False, 1, 0, 0, 0.0)  # the prologue's pointers unread: q stands in
     return _attend(q, q.stride(0), q.stride(1), k_BHLD, v_BHLD, valid_BL, col_1, out, split, fused)
 
 
@@ -323,7 +322,7 @@ def _attend(q, sqb: int, sqh: int, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
         G=g, GP=pow2(g, 16), D=d, SCALE=d**-0.5, SPLIT=split if splits > 1 else span(length),
         BLOCK=BLOCK, V_FIRST=V_FIRST, DIRECT=splits == 1,
         FUSED=is_fused, S=s, KOFF=koff,
-        VOFF=voff, EPS=eps, PIPELINED=not interpreted(),
+        VOFF=voff, EPS=eps, PIPELINED=_pipelined,
         # an fp32 cache gets fp32 products (tl.dot takes fp32 as TF32 by default on a GPU)
         PRECISION="ieee" if k_BHLD.dtype == torch.float32 else "tf32",
         num_warps=WARPS, num_stages=STAGES,

@@ -247,3 +247,45 @@ def test_engine_calls_are_cut_evenly_and_padded_to_the_engine_batch():
     out = GRPOTrainer.generate_in_engine_batches(me, rows, [True] * 7)  # type: ignore[arg-type]
     assert [c[0] for c in calls] == [4, 4] and calls[1][1] == [True] * 3 + [False]
     assert out.response_ids == [[i + 100] for i in range(7)] and len(out.truncated) == 7
+
+
+def test_compiled_decode_layer_ends_at_its_last_matmul():
+    """A decode step's layer under torch.compile (Inductor, here its CPU code) is three
+    elementwise kernels beside its matmuls and the attention: the input norm with the previous
+    layer's residual add, the output projection's add with the second norm, SiLU·up. The MLP's
+    residual add waits for the next layer's norm (`decoder_layer`), so no kernel follows the
+    down projection."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    pytest.importorskip("triton")
+    config = hf_config(compose_config().model)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    engine = StaticCacheEngine(config, torch.float32, torch.device("cpu"), compile=False,
+                               attention="triton")  # fmt: skip
+    engine.model.load_state_dict(model.state_dict())
+    net, b = engine.net, 3
+    net.allocate(b, 8)
+    x, r = torch.randn(b, 1, config.hidden_size), torch.randn(b, 1, config.hidden_size)
+    cos, sin = net.rope(torch.full((b, 1), 5))
+    net.col.fill_(5)
+    net.key_valid[:, :6] = True
+    mask = net.key_valid[:, None, None, :8]
+    layer = torch.compile(net.decoder_layer, fullgraph=True, dynamic=False)
+    caches = [c.clone() for c in (net.k_cache[0], net.v_cache[0])]
+    (x_out, r_out), codes = run_and_get_code(layer, x, r, cos, sin, net.col, mask, *caches,
+                                             *net.layer_weights[0])  # fmt: skip
+    kernels = set(re.findall(r"\b(cpp_fused_\w+)\(", codes[0]))
+    assert len(kernels) == 3, sorted(kernels)
+    body = codes[0].split("def call(")[1].split("return (")[0]
+    last_kernel = max(body.rfind(k + "(") for k in kernels)
+    assert body.rfind("extern_kernels.mm(") > last_kernel, "an elementwise kernel after down_proj"
+    # and the compiled layer computes what the eager one does (whose log-probs the tests above
+    # check against the training forward)
+    k_cache, v_cache = net.k_cache[0].clone(), net.v_cache[0].clone()
+    x_eager, r_eager = net.decoder_layer(x, r, cos, sin, net.col, mask, k_cache, v_cache,
+                                         *net.layer_weights[0])  # fmt: skip
+    torch.testing.assert_close((x_out, r_out), (x_eager, r_eager), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches, [k_cache, v_cache])

@@ -86,6 +86,30 @@ def resolve_autos(cfg: Config, gpus: int) -> list[str]:
         raise ConfigError(str(e)) from None
 
 
+def check_fits(cfg: Config, gpus: int) -> None:
+    """A GPU run whose step needs more memory than its GPU has stops here, with one line naming
+    the knob and a value that fits, not with an out-of-memory error in step 1 after the model is
+    built (the qwen3_4b preset on an 80 GB H100: 2026-12-07, docs/benchmarks.md). The need is the
+    memory model's (launcher/memory.py; within 0.5% of the peak measured on an H200), as the dry
+    run's plan states it. Autos were chosen to fit (`resolve_autos`); a plan only reports."""
+    p = cfg.parallel
+    if cfg.dry_run or p.auto or cfg.rl.micro_batch_tokens == "auto":
+        return
+    if resolve_device(cfg.device, gpus) != "cuda":
+        return
+    capacity = p.gpu_memory_gb * 1e9 if p.gpu_memory_gb else gpu_memory_bytes()
+    if capacity is None:
+        return
+    arch, world, shard = plan_arch(cfg), p.nnodes * p.nproc_per_node, p.dp_shard_size
+    needed = memory.predict(arch, memory.shape_of(cfg, shard, world, "cuda")).needs()
+    if needed > capacity:
+        raise ConfigError(
+            f"hsdp_r{p.dp_replicate_size}s{shard} needs {memory.gb(needed)} per GPU (predicted "
+            f"by launcher/memory.py), the GPU has {memory.gb(capacity)}: "
+            + memory.advice(cfg, arch, shard, world, "cuda", capacity)
+        )
+
+
 def write_config(cfg: Config, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.yaml"
@@ -121,6 +145,7 @@ def prepare(cfg: DictConfig) -> tuple[Config, int]:
     typed.auto_choices = resolve_autos(typed, gpus)
     # A plan made where no GPU is visible (a laptop, a login node) skips the GPU-count check.
     validate(typed, gpus, check_gpu_count=not (typed.dry_run and gpus == 0))
+    check_fits(typed, gpus)
     return typed, gpus
 
 

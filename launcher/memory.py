@@ -258,7 +258,12 @@ def advice(cfg, arch, shard: int, world: int, device: str, capacity: float) -> s
         tokens = largest_tokens(cfg, arch, shard, world, device, capacity)
         if tokens:
             return f"the update is the peak: rl.micro_batch_tokens={tokens} fits"
-    return "use a larger shard group (parallel.dp_shard_size, or parallel=auto)"
+    if shard < cfg.parallel.nproc_per_node:
+        return "use a larger shard group (parallel.dp_shard_size, or parallel=auto)"
+    return (
+        f"shard over more GPUs than {shard} (parallel.dp_shard_size, with as many GPUs per "
+        "node: parallel.nproc_per_node)"
+    )
 
 
 def gb(n: float) -> str:

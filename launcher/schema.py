@@ -46,7 +46,8 @@ class ParallelConfig:
     # whose predicted step fits (launcher/memory.py), and dp_replicate_size = world / that.
     auto: bool = False
     # Memory per GPU the plan may use (GB, 1e9 bytes); null: read from the first visible GPU.
-    # Needed by parallel=auto and rl.micro_batch_tokens=auto where no GPU is visible.
+    # Needed by parallel=auto and rl.micro_batch_tokens=auto where no GPU is visible. A GPU
+    # launch whose predicted step needs more than this stops before start, naming a knob that fits.
     gpu_memory_gb: float | None = None
     # Inter-node bandwidth per GPU in Gb/s, for the plan's predicted step time (400: NDR
     # InfiniBand, one NIC per GPU).

@@ -282,6 +282,39 @@ def test_a_step_that_does_not_fit_names_the_knob_and_a_value_that_fits(tmp_path)
     assert "GB: fits" in launch(*shape, "rl.rollout_batch=128").stdout
 
 
+def test_a_gpu_launch_that_would_not_fit_stops_before_start_naming_a_value_that_fits():
+    """What the plan says as "does NOT fit", a launch says as its one error line, before any
+    worker starts (on an 80 GB H100 the qwen3_4b preset ran out of memory in step 1's update,
+    2026-12-07); following the line's advice makes the check pass. (No GPU here: the check is
+    called as `prepare` calls it, for one visible GPU of parallel.gpu_memory_gb.)"""
+    import re
+
+    from launcher.main import check_fits
+    from launcher.validate import ConfigError
+
+    def error(*overrides: str) -> str:
+        cfg = compose_config("model=qwen3_4b", "model.init=random", "device=cuda", *overrides)
+        try:
+            check_fits(cfg, gpus=1)
+        except ConfigError as e:
+            return str(e)
+        return ""
+
+    h100 = ("parallel=hsdp_r1s2", "parallel.gpu_memory_gb=85")
+    line = error(*h100)
+    assert re.fullmatch(r"hsdp_r1s2 needs [\d.]+ GB per GPU \(predicted by launcher/memory.py\), "
+                        r"the GPU has 85.0 GB: the update is the peak: rl.micro_batch_tokens=\d+ fits", line)  # fmt: skip
+    assert error(*h100, line.rsplit(": ", 1)[1].removesuffix(" fits")) == ""
+    # one GPU whose whole step (fp32 states, Adam) cannot fit: more GPUs, named as keys
+    assert error("parallel=single", "parallel.gpu_memory_gb=85").endswith(
+        "the GPU has 85.0 GB: shard over more GPUs than 1 (parallel.dp_shard_size, with as many "
+        "GPUs per node: parallel.nproc_per_node)")  # fmt: skip
+    assert error("parallel=single", "parallel.gpu_memory_gb=141") == ""  # the H200: 116 GB peak
+    # the plan reports rather than stops, autos were chosen to fit, and CPU runs are not checked
+    assert error(*h100, "dry_run=true") == error(*h100, "parallel=auto") == ""
+    assert error(*h100, "rl.micro_batch_tokens=auto") == error(*h100, "device=cpu") == ""
+
+
 def test_the_memory_model_sizes_the_kv_cache_for_the_calls_the_trainer_makes():
     """rl.rollout_batch caps an engine call; the trainer cuts equal calls (128 responses under a
     cap of 17: 8 calls of 16), and the memory model's KV cache is for those rows, at the cache

@@ -37,11 +37,13 @@ import torch
 # Launch settings; scripts/bench_decode_attention.py sweeps them. Chosen on an H100 (2026-12-05,
 # docs/benchmarks.md): one program over the whole cache, 64-column tiles, 4 warps, V loaded with
 # K: 1.07x / 1.08x / 1.25x the KV read's floor at batch 512 / 256 / 64, against 1.32x / 1.31x /
-# 1.55x for splits of 128 columns and 128-column tiles, V loaded after the scores.
+# 1.55x for splits of 128 columns and 128-column tiles, V loaded after the scores. Swept again
+# with the pipelined loop (H100, 2026-12-07, docs/sweep_2026-12-07_decode_attention_h100.txt):
+# 2 stages 1.12x / 1.21x / 1.41x, Triton's default 3 stages 1.16x / 1.27x / 1.72x.
 SPLIT: int | None = None  # cache columns per program; 0: the whole cache; None: by the grid
 BLOCK = 64  # cache columns per inner tile
 WARPS = 4  # warps per program
-STAGES = 3  # software-pipelining stages of the column loop (Triton's default)
+STAGES = 2  # software-pipelining stages of the column loop (one K/V tile loaded ahead)
 V_FIRST = True  # issue the V tile's load with K's, before the scores
 SMALL_GRID_SPLIT = 128  # SPLIT None: the split where B x Hkv programs are fewer than the SMs
 

@@ -90,8 +90,9 @@ def check_fits(cfg: Config, gpus: int) -> None:
     """A GPU run whose step needs more memory than its GPU has stops here, with one line naming
     the knob and a value that fits, not with an out-of-memory error in step 1 after the model is
     built (the qwen3_4b preset on an 80 GB H100: 2026-12-07, docs/benchmarks.md). The need is the
-    memory model's (launcher/memory.py; within 0.5% of the peak measured on an H200), as the dry
-    run's plan states it. Autos were chosen to fit (`resolve_autos`); a plan only reports."""
+    memory model's (launcher/memory.py: within 10% of the peaks measured on an H200, 0.5% for the
+    preset's GRPO step), as the dry run's plan states it, with its allocator slack and reserve.
+    Autos were chosen to fit (`resolve_autos`); a plan only reports."""
     p = cfg.parallel
     if cfg.dry_run or p.auto or cfg.rl.micro_batch_tokens == "auto":
         return

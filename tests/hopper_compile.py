@@ -90,7 +90,9 @@ def main() -> None:
     for name, fn, args, kwargs in calls:
         kernel = compile_call(fn, args, kwargs)
         shown = {k: v for k, v in kwargs.items() if isinstance(v, (int, bool, str))}
-        print(json.dumps({"kernel": name, "shared": kernel.metadata.shared, **shown}), flush=True)
+        copies = kernel.asm["ptx"].count("cp.async.cg") + kernel.asm["ptx"].count("cp.async.ca")
+        print(json.dumps({"kernel": name, "shared": kernel.metadata.shared, "async_copies": copies,
+                          **shown}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

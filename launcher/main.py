@@ -63,6 +63,16 @@ def gpu_memory_bytes() -> float | None:
     return float(total.value)
 
 
+def gpu_capacity(cfg: Config, gpus: int) -> float | None:
+    """Bytes per GPU that the memory checks plan for: parallel.gpu_memory_gb, else the first
+    visible GPU's where the run is on GPUs; None where neither is known."""
+    if cfg.parallel.gpu_memory_gb:
+        return cfg.parallel.gpu_memory_gb * 1e9
+    if gpus > 0 and resolve_device(cfg.device, gpus) == "cuda":
+        return gpu_memory_bytes()
+    return None
+
+
 def resolve_autos(cfg: Config, gpus: int) -> list[str]:
     """parallel=auto and rl.micro_batch_tokens=auto become numbers here, before validation, from
     the memory model (launcher/memory.py); returns the lines that say what was chosen."""
@@ -73,10 +83,8 @@ def resolve_autos(cfg: Config, gpus: int) -> list[str]:
     what = "parallel=auto" if p.auto else "rl.micro_batch_tokens=auto"
     if p.nproc_per_node < 1 or p.nnodes < 1:
         return []  # validation names the bad count
-    capacity = p.gpu_memory_gb * 1e9 if p.gpu_memory_gb else None
     device = "cpu" if cfg.device == "cpu" else "cuda"
-    if capacity is None and gpus > 0 and device == "cuda":
-        capacity = gpu_memory_bytes()
+    capacity = gpu_capacity(cfg, gpus)
     if capacity is None:
         raise ConfigError(f"{what} needs the memory of a GPU and none is visible; set "
                           "parallel.gpu_memory_gb (e.g. 141 for an H200, 80 for an H100)")  # fmt: skip
@@ -98,7 +106,7 @@ def check_fits(cfg: Config, gpus: int) -> None:
         return
     if resolve_device(cfg.device, gpus) != "cuda":
         return
-    capacity = p.gpu_memory_gb * 1e9 if p.gpu_memory_gb else gpu_memory_bytes()
+    capacity = gpu_capacity(cfg, gpus)
     if capacity is None:
         return
     arch, world, shard = plan_arch(cfg), p.nnodes * p.nproc_per_node, p.dp_shard_size

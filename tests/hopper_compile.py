@@ -78,12 +78,14 @@ def main() -> None:
         for n, k in dm.projections(QWEN3_4B):
             dm.decode_linear(torch.zeros(b, k, dtype=bf), torch.zeros(n, k, dtype=bf))
     n_qkv = (heads + 2 * kv) * hd
-    for b, split, partials in ((64, 0, 2), (8, 128, 2), (64, 0, 1)):
+    for b, split, partials, peel in ((64, 0, 2, True), (8, 128, 2, True), (64, 0, 1, False)):
         qkv = torch.zeros(partials, b, n_qkv, dtype=torch.float32 if partials > 1 else bf)
         cache = torch.zeros(b, kv, length, hd, dtype=bf)
         norm, rope = torch.ones(hd, dtype=bf), torch.zeros(b, hd, dtype=bf)
         valid, col = torch.ones(b, length, dtype=torch.bool), torch.zeros(1, dtype=torch.long)
-        da.launch_qkv(qkv, norm, norm, rope, rope, cache, cache, valid, col, heads, 1e-6, split)
+        da.launch_qkv(
+            qkv, norm, norm, rope, rope, cache, cache, valid, col, heads, 1e-6, split, peel
+        )
     cache = torch.zeros(8, kv, length, hd, dtype=bf)
     q = torch.zeros(8, kv, heads // kv, hd, dtype=bf)
     da.launch(q, cache, cache, torch.ones(8, length, dtype=torch.bool), col, 0)

@@ -121,14 +121,17 @@ def unfused(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, valid, col, heads, 
         (2, 2, 4, 64, 0, 1, 0),  # the first column: no key from the cache at all
     ],
 )
+@pytest.mark.parametrize("peel", [True, False])
 def test_the_fused_prologue_matches_norm_rope_cache_write_and_sdpa(
-    monkeypatch, batch, kv_heads, group, length, col, partials, split
+    monkeypatch, batch, kv_heads, group, length, col, partials, split, peel
 ):
     """decode_attention_qkv = the engine's q/k norm, RoPE, K/V cache write, then attention: the
-    output and both caches (the new column written, no other touched)."""
+    output and both caches (the new column written, no other touched), with the first tile
+    loaded before the prologue or in the loop."""
     from trainer import decode_attention as da
 
     monkeypatch.setattr(da, "SPLIT", split)
+    monkeypatch.setattr(da, "PEEL", peel)
     da.load()
     torch.manual_seed(0)
     d, heads, eps = 16, kv_heads * group, 1e-6

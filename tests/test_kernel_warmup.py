@@ -43,6 +43,7 @@ def test_the_spec_follows_the_run(monkeypatch):
 
     sms = 132
     monkeypatch.setattr(decode_attention, "split_for", lambda n, d: 0 if n >= sms else 128)
+    monkeypatch.setattr(decode_attention, "sm_count", lambda device: sms)
     gpu = torch.device("cuda", 3)
     prompts = [[1] * 100, [1] * 130]
 
@@ -62,6 +63,10 @@ def test_the_spec_follows_the_run(monkeypatch):
     assert not hf.sampler and hf.attention is None and hf.logprob
     # 64 x 8 rows over 32 ranks: 16 each, 128 programs: splits of 128 columns and their merge
     assert spec(dp=32).attention == 128
+    # the fused attention's first tile peeled where its programs are few per SM: 4096 programs
+    # (31 per SM) no; a quarter of the rows, 1024 (7.8 per SM), and 128 yes
+    assert not s.attention_peel
+    assert spec(dp=4).attention_peel and spec(dp=32).attention_peel
     # the decode matmuls: cuBLAS past 256 rows a call (the preset's 512), else each projection
     assert s.matmul == []
     q_kv, mlp = [[128, 6144, 2560], [128, 2560, 4096]], [[128, 19456, 2560], [128, 2560, 9728]]
@@ -159,6 +164,7 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch,
         cache_length=cache_length(max(map(len, prompts)), params.max_new_tokens), logprob=True,
         matmul=[[len(prompts), n, k] for n, k in decode_matmul.projections(config)],
         eps=config.rms_norm_eps,
+        attention_peel=decode_attention.peel_for(len(prompts) * config.num_key_value_heads, DEVICE),
     )  # fmt: skip
     kernel_warmup.warm(spec, DEVICE, torch.float32, report=lambda name: None)
     for kernel, launched in worker.items():

@@ -46,6 +46,13 @@ WARPS = 4  # warps per program
 STAGES = 2  # software-pipelining stages of the column loop (one K/V tile loaded ahead)
 V_FIRST = True  # issue the V tile's load with K's, before the scores
 SMALL_GRID_SPLIT = 128  # SPLIT None: the split where B x Hkv programs are fewer than the SMs
+# The fused kernel: load the first K/V tile before the prologue, so that its read overlaps the
+# prologue's loads and arithmetic (the loop's pipelined loads are issued only after it). It pays
+# where few programs share an SM and nothing else hides that latency, and costs registers where
+# many do (H100, 2026-12-07, three runs each, docs/benchmarks.md: decode (a) -2.0% at batch 64,
+# 512 programs = 3.9 per SM; +2.1% at batch 256, 15.5 per SM).
+PEEL: bool | None = None  # None: by the grid (peel_for)
+PEEL_PROGRAMS_PER_SM = 8  # peel_for: peel up to this many programs per SM (between the two)
 
 
 _kernels: Any = None  # (split, merge) @triton.jit functions, once load() has built them
@@ -111,17 +118,24 @@ def load():
         return q, k_new, v.to(DT)
 
     @triton.jit
-    def block(q, K, V, Valid, start, hi, m, denom, acc, d, D: tl.constexpr, SCALE: tl.constexpr,
-              BLOCK: tl.constexpr, V_FIRST: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-        """The online softmax over cache columns start .. start + BLOCK (those below hi, valid)
-        of one sequence and KV head (K, V, Valid at its row): (m, denom, acc) updated."""
+    def tile(K, V, Valid, start, hi, d, D: tl.constexpr, BLOCK: tl.constexpr,
+             V_LOAD: tl.constexpr):  # fmt: skip
+        """Cache columns start .. start + BLOCK of one sequence and KV head: which are below hi
+        and valid, their K tile, and their V tile where V_LOAD (else V's pointers)."""
         c = start + tl.arange(0, BLOCK)
         inb = c < hi
         ok = inb & (tl.load(Valid + c, mask=inb, other=0) != 0)
         k = tl.load(K + c[:, None] * D + d[None, :], mask=inb[:, None], other=0.0)
-        v_at = V + c[:, None] * D + d[None, :]
-        if V_FIRST:
-            v = tl.load(v_at, mask=inb[:, None], other=0.0)
+        v = V + c[:, None] * D + d[None, :]
+        if V_LOAD:
+            v = tl.load(v, mask=inb[:, None], other=0.0)
+        return ok, inb, k, v
+
+    @triton.jit
+    def attend(q, ok, inb, k, v, m, denom, acc, SCALE: tl.constexpr, V_LOADED: tl.constexpr,
+               PRECISION: tl.constexpr):  # fmt: skip
+        """The online softmax's update by one tile from `tile` (V loaded here where it was not):
+        (m, denom, acc) updated."""
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * SCALE
         qk = tl.where(ok[None, :], qk, float("-inf"))
         m_new = tl.maximum(m, tl.max(qk, 1))
@@ -129,13 +143,14 @@ def load():
         p = tl.exp(qk - m_safe[:, None])
         alpha = tl.exp(m - m_safe)
         denom = denom * alpha + tl.sum(p, 1)
-        if not V_FIRST:
-            v = tl.load(v_at, mask=inb[:, None], other=0.0)
+        if not V_LOADED:
+            v = tl.load(v, mask=inb[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         return m_new, denom, acc
 
     # Triton resolves a kernel's callees among its module's globals, not the closure of load()
-    globals().update(norm_rope=norm_rope, prologue=prologue, block=block)
+    # (a helper calling tile/attend failed to compile for sm_90, `tl` not found: call them here)
+    globals().update(norm_rope=norm_rope, prologue=prologue, tile=tile, attend=attend)
 
     @triton.jit
     def split_kernel(Q, K, V, Valid, Col, Out, LSE,
@@ -147,7 +162,8 @@ def load():
                      # FUSED: Q is the q/k/v projection's (S, B, N) partial sums; see `prologue`
                      FUSED: tl.constexpr, S: tl.constexpr,
                      KOFF: tl.constexpr, VOFF: tl.constexpr, EPS: tl.constexpr,
-                     PIPELINED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                     PEEL: tl.constexpr, PIPELINED: tl.constexpr,
+                     PRECISION: tl.constexpr):  # fmt: skip
         b, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n = tl.minimum(tl.load(Col) + 1, L)  # columns 0 .. col are filled
         lo = s * SPLIT  # DIRECT: SPLIT spans the whole cache, s is 0
@@ -157,6 +173,8 @@ def load():
         g, d = tl.arange(0, GP), tl.arange(0, D)
         rows = g < G
         k_b, v_b, valid_b = K + b * skb + h * skh, V + b * svb + h * svh, Valid + b * sab
+        if PEEL:  # the first tile's loads issued before the prologue's (columns < col: no hazard)
+            ok0, inb0, k0, v0 = tile(k_b, v_b, valid_b, lo, hi, d, D, BLOCK, True)
         if FUSED:
             q, k_new, v_new = prologue(Q, QW, KW, COS, SIN, sqs, sqb, scb, b, h, g, d, rows,
                                        G, D, S, KOFF, VOFF, EPS, K.dtype.element_ty)  # fmt: skip
@@ -171,15 +189,20 @@ def load():
         m = tl.full((GP,), float("-inf"), tl.float32)
         denom = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
+        first = lo  # the loop's first tile
+        if PEEL:
+            m, denom, acc = attend(q, ok0, inb0, k0, v0, m, denom, acc, SCALE, True, PRECISION)
+            first = lo + BLOCK
         if PIPELINED:  # the filled blocks as the loop's bound: Triton pipelines their loads
-            for start in tl.range(lo, hi, BLOCK):
-                m, denom, acc = block(q, k_b, v_b, valid_b, start, hi, m, denom, acc, d, D, SCALE,
-                                      BLOCK, V_FIRST, PRECISION)  # fmt: skip
+            for start in tl.range(first, hi, BLOCK):
+                ok, inb, k, v = tile(k_b, v_b, valid_b, start, hi, d, D, BLOCK, V_FIRST)
+                m, denom, acc = attend(q, ok, inb, k, v, m, denom, acc, SCALE, V_FIRST, PRECISION)
         else:  # Triton's interpreter takes no loop bound from a tensor: each block, skipped past hi
             for off in range(0, SPLIT, BLOCK):
-                if lo + off < hi:
-                    m, denom, acc = block(q, k_b, v_b, valid_b, lo + off, hi, m, denom, acc, d, D,
-                                          SCALE, BLOCK, V_FIRST, PRECISION)  # fmt: skip
+                if first + off < hi:
+                    ok, inb, k, v = tile(k_b, v_b, valid_b, first + off, hi, d, D, BLOCK, V_FIRST)
+                    m, denom, acc = attend(q, ok, inb, k, v, m, denom, acc, SCALE, V_FIRST,
+                                           PRECISION)  # fmt: skip
         if FUSED:  # column col, from registers, where this program owns it and it is valid
             ok_new = own & (tl.load(valid_b + col) != 0)
             qk = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * SCALE
@@ -244,6 +267,11 @@ def split_for(programs: int, device: torch.device) -> int:
     return 0 if programs >= sm_count(device) else SMALL_GRID_SPLIT
 
 
+def peel_for(programs: int, device: torch.device) -> bool:
+    """PEEL None: peel the fused kernel's first tile where its programs are few per SM."""
+    return programs <= PEEL_PROGRAMS_PER_SM * sm_count(device)
+
+
 def pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
@@ -279,22 +307,23 @@ def launch(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
     b, h, g, d = q_BHGD.shape
     q = q_BHGD.contiguous()
     out = torch.empty_like(q)
-    fused = (q, q, q, q, 0, 0, False, 1, 0, 0, 0.0)  # the prologue's pointers unread: q stands in
+    fused = (q, q, q, q, 0, 0, False, 1, 0, 0, 0.0, False)  # no prologue: q stands in, unread
     return _attend(q, q.stride(0), q.stride(1), k_BHLD, v_BHLD, valid_BL, col_1, out, split, fused)
 
 
 def launch_qkv(qkv_SBN: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
                cos_BD: torch.Tensor, sin_BD: torch.Tensor, k_BHLD: torch.Tensor,
                v_BHLD: torch.Tensor, valid_BL: torch.Tensor, col_1: torch.Tensor, heads: int,
-               eps: float, split: int) -> torch.Tensor:  # fmt: skip
-    """`decode_attention_qkv` with splits of `split` cache columns (as `launch`)."""
+               eps: float, split: int, peel: bool) -> torch.Tensor:  # fmt: skip
+    """`decode_attention_qkv` with splits of `split` cache columns (as `launch`), its first
+    tile loaded before the prologue where `peel`."""
     _, b, n = qkv_SBN.shape
     h, d = k_BHLD.shape[1], k_BHLD.shape[3]
     assert n == (heads + 2 * h) * d and heads % h == 0, (qkv_SBN.shape, heads, h, d)
     assert qkv_SBN.stride(2) == 1 and cos_BD.stride(1) == 1 and sin_BD.stride() == cos_BD.stride()
     out = torch.empty((b, h, heads // h, d), dtype=k_BHLD.dtype, device=k_BHLD.device)
     fused = (q_norm, k_norm, cos_BD, sin_BD, qkv_SBN.stride(0), cos_BD.stride(0), True,
-             qkv_SBN.shape[0], heads * d, (heads + h) * d, eps)  # fmt: skip
+             qkv_SBN.shape[0], heads * d, (heads + h) * d, eps, peel)  # fmt: skip
     return _attend(
         qkv_SBN, qkv_SBN.stride(1), 0, k_BHLD, v_BHLD, valid_BL, col_1, out, split, fused
     )
@@ -315,7 +344,7 @@ def _attend(q, sqb: int, sqh: int, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
     else:
         part = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=out.device)
         lse = torch.empty((b, h, splits, g), dtype=torch.float32, device=out.device)
-    qw, kw, cos, sin, sqs, scb, is_fused, s, koff, voff, eps = fused
+    qw, kw, cos, sin, sqs, scb, is_fused, s, koff, voff, eps, peel = fused
     split_kernel[(b, h, splits)](
         q, k_BHLD, v_BHLD, valid_BL, col_1, part, lse,
         sqb, sqh, k_BHLD.stride(0), k_BHLD.stride(1), v_BHLD.stride(0),
@@ -324,7 +353,7 @@ def _attend(q, sqb: int, sqh: int, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
         G=g, GP=pow2(g, 16), D=d, SCALE=d**-0.5, SPLIT=split if splits > 1 else span(length),
         BLOCK=BLOCK, V_FIRST=V_FIRST, DIRECT=splits == 1,
         FUSED=is_fused, S=s, KOFF=koff,
-        VOFF=voff, EPS=eps, PIPELINED=_pipelined,
+        VOFF=voff, EPS=eps, PEEL=peel, PIPELINED=_pipelined,
         # an fp32 cache gets fp32 products (tl.dot takes fp32 as TF32 by default on a GPU)
         PRECISION="ieee" if k_BHLD.dtype == torch.float32 else "tf32",
         num_warps=WARPS, num_stages=STAGES,
@@ -359,8 +388,9 @@ def decode_attention_qkv(qkv_SBN: torch.Tensor, q_norm: torch.Tensor, k_norm: to
     cache's dtype. `load()` must have run first."""
     b, h = qkv_SBN.shape[1], k_BHLD.shape[1]
     split = SPLIT if SPLIT is not None else split_for(b * h, k_BHLD.device)
+    peel = PEEL if PEEL is not None else peel_for(b * h, k_BHLD.device)
     return launch_qkv(qkv_SBN, q_norm, k_norm, cos_BD, sin_BD, k_BHLD, v_BHLD, valid_BL, col_1,
-                      heads, eps, split)  # fmt: skip
+                      heads, eps, split, peel)  # fmt: skip
 
 
 @decode_attention_qkv.register_fake

@@ -53,6 +53,8 @@ class Spec:
     # (decode_matmul.projections at the rows of an engine call); empty: cuBLAS
     matmul: list[list[int]] = field(default_factory=list)
     eps: float = 1e-6  # the q/k norms' (a constexpr of the attention's prologue)
+    # the fused attention's first tile loaded before its prologue (decode_attention.peel_for)
+    attention_peel: bool = False
     # the decode attention takes q, not the q/k/v projection (trainer/engine.py: a biased one)
     qkv_bias: bool = False
 
@@ -93,6 +95,7 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
         if static and options["matmul"] == "triton" and rows <= dm.MAX_ROWS
         else [],
         eps=config.rms_norm_eps,
+        attention_peel=da.peel_for(rows * kv, device),
         qkv_bias=bool(getattr(config, "attention_bias", False)),
     )
 
@@ -173,8 +176,9 @@ def warm(spec: Spec, device: torch.device, dtype: torch.dtype = torch.bfloat16,
             )
             valid = torch.ones((b, length), dtype=torch.bool, device=device)
             da.launch_qkv(
-                qkv, norm, norm, rope, rope, k, k, valid, col, heads, spec.eps, spec.attention
-            )
+                qkv, norm, norm, rope, rope, k, k, valid, col, heads, spec.eps, spec.attention,
+                spec.attention_peel,
+            )  # fmt: skip
         finished("decode attention")
     if spec.matmul:
         from trainer import decode_matmul as dm

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -74,7 +75,11 @@ def measure_ceilings(device) -> dict[str, float]:
     bandwidth = copy_bandwidth(device)
     a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    tm = timed(lambda: a @ b, device, repeat=20)
+    tm = timed(functools.partial(torch.matmul, a, b), device, repeat=20)
+    # hand the blocks back to the driver: the (c) runs are other processes on this GPU (an H100
+    # showed this process holding 4.6 GB through them, 2026-12-07)
+    del a, b
+    torch.cuda.empty_cache()
     return {"bandwidth_Bps": bandwidth, "bf16_flops": 2 * 8192**3 / tm}
 
 
@@ -423,9 +428,6 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     # on CPU nominal figures stand in for the ceilings: the CPU run is a smoke test only
     ceilings = measure_ceilings(device) if gpu else {"bandwidth_Bps": 20e9, "bf16_flops": 1e11}
-    # hand the ceilings' 4 GiB back to the driver: the (c) runs are other processes on this GPU
-    # (an H100 showed this process holding 4.6 GB through them, 2026-12-07)
-    torch.cuda.empty_cache() if gpu else None
     cfg = preset(name)
     from trainer.model import hf_config
 

@@ -69,7 +69,7 @@ def main() -> None:
     da.load()
     knobs = ("SPLIT", "BLOCK", "WARPS", "STAGES", "V_FIRST")
     kept = tuple(getattr(da, k) for k in knobs)  # SPLIT None: the default marks the split it picks
-    default = (da.split_for(b * h, q.device) if da.SPLIT is None else da.SPLIT, *kept[1:])
+    default = (da.settings(b * h, q.device)[0], *kept[1:])
     print(f"batch {b}, {h} KV heads x {g} query heads, head_dim {d}, cache {n}, columns "
           f"{args.cols}: floor {floor * 1e6:.1f} us (mean) at {bandwidth / 1e12:.2f} TB/s")  # fmt: skip
     print("split 0: one program per sequence and KV head over the whole cache, no merge")

@@ -67,6 +67,9 @@ def test_the_spec_follows_the_run(monkeypatch):
     # (31 per SM) no; a quarter of the rows, 1024 (7.8 per SM), and 128 yes
     assert not s.attention_peel
     assert spec(dp=4).attention_peel and spec(dp=32).attention_peel
+    monkeypatch.setattr(decode_attention, "PEEL", False)  # a forced setting, as the engine takes it
+    assert not spec(dp=32).attention_peel
+    monkeypatch.setattr(decode_attention, "PEEL", None)
     # the decode matmuls: cuBLAS past 256 rows a call (the preset's 512), else each projection
     assert s.matmul == []
     q_kv, mlp = [[128, 6144, 2560], [128, 2560, 4096]], [[128, 19456, 2560], [128, 2560, 9728]]
@@ -164,7 +167,7 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch,
         cache_length=cache_length(max(map(len, prompts)), params.max_new_tokens), logprob=True,
         matmul=[[len(prompts), n, k] for n, k in decode_matmul.projections(config)],
         eps=config.rms_norm_eps,
-        attention_peel=decode_attention.peel_for(len(prompts) * config.num_key_value_heads, DEVICE),
+        attention_peel=decode_attention.settings(len(prompts) * config.num_key_value_heads, DEVICE)[1],
     )  # fmt: skip
     kernel_warmup.warm(spec, DEVICE, torch.float32, report=lambda name: None)
     for kernel, launched in worker.items():

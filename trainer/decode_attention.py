@@ -272,6 +272,14 @@ def peel_for(programs: int, device: torch.device) -> bool:
     return programs <= PEEL_PROGRAMS_PER_SM * sm_count(device)
 
 
+def settings(programs: int, device: torch.device) -> tuple[int, bool]:
+    """The split and the peel of a launch of `programs` (B x Hkv) programs: SPLIT and PEEL where
+    they are set, else chosen by the grid. The engine's launches and the kernel warm-up's spec
+    (trainer/kernel_warmup.py) both take them from here, so the warm-up compiles what runs."""
+    split = SPLIT if SPLIT is not None else split_for(programs, device)
+    return split, PEEL if PEEL is not None else peel_for(programs, device)
+
+
 def pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
@@ -294,7 +302,7 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.T
     Every sequence must have a valid key at or before col (the engine marks col itself valid).
     `load()` must have run first."""
     b, h = q_BHGD.shape[:2]
-    split = SPLIT if SPLIT is not None else split_for(b * h, q_BHGD.device)
+    split, _ = settings(b * h, q_BHGD.device)  # no prologue: nothing to peel
     return launch(q_BHGD, k_BHLD, v_BHLD, valid_BL, col_1, split)
 
 
@@ -307,7 +315,7 @@ def launch(q_BHGD: torch.Tensor, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
     b, h, g, d = q_BHGD.shape
     q = q_BHGD.contiguous()
     out = torch.empty_like(q)
-    fused = (q, q, q, q, 0, 0, False, 1, 0, 0, 0.0, False)  # no prologue: q stands in, unread
+    fused = (q, q, q, q, 0, 0, False, 1, 0, 0, 0.0)  # the prologue's pointers unread: q stands in
     return _attend(q, q.stride(0), q.stride(1), k_BHLD, v_BHLD, valid_BL, col_1, out, split, fused)
 
 
@@ -323,16 +331,17 @@ def launch_qkv(qkv_SBN: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor
     assert qkv_SBN.stride(2) == 1 and cos_BD.stride(1) == 1 and sin_BD.stride() == cos_BD.stride()
     out = torch.empty((b, h, heads // h, d), dtype=k_BHLD.dtype, device=k_BHLD.device)
     fused = (q_norm, k_norm, cos_BD, sin_BD, qkv_SBN.stride(0), cos_BD.stride(0), True,
-             qkv_SBN.shape[0], heads * d, (heads + h) * d, eps, peel)  # fmt: skip
+             qkv_SBN.shape[0], heads * d, (heads + h) * d, eps)  # fmt: skip
     return _attend(
-        qkv_SBN, qkv_SBN.stride(1), 0, k_BHLD, v_BHLD, valid_BL, col_1, out, split, fused
+        qkv_SBN, qkv_SBN.stride(1), 0, k_BHLD, v_BHLD, valid_BL, col_1, out, split, fused, peel
     )
 
 
 def _attend(q, sqb: int, sqh: int, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
             valid_BL: torch.Tensor, col_1: torch.Tensor, out: torch.Tensor, split: int,
-            fused: tuple) -> torch.Tensor:  # fmt: skip
-    """The split kernel (and the merge where there are splits) writing `out` (B, Hkv, G, D)."""
+            fused: tuple, peel: bool = False) -> torch.Tensor:  # fmt: skip
+    """The split kernel (and the merge where there are splits) writing `out` (B, Hkv, G, D);
+    `peel` (the fused kernel's only): its first tile loaded before the prologue."""
     b, h, g, d = out.shape
     length = k_BHLD.shape[2]
     assert k_BHLD.stride(3) == 1 and k_BHLD.stride(2) == d and v_BHLD.stride(2) == d
@@ -344,7 +353,7 @@ def _attend(q, sqb: int, sqh: int, k_BHLD: torch.Tensor, v_BHLD: torch.Tensor,
     else:
         part = torch.empty((b, h, splits, g, d), dtype=torch.float32, device=out.device)
         lse = torch.empty((b, h, splits, g), dtype=torch.float32, device=out.device)
-    qw, kw, cos, sin, sqs, scb, is_fused, s, koff, voff, eps, peel = fused
+    qw, kw, cos, sin, sqs, scb, is_fused, s, koff, voff, eps = fused
     split_kernel[(b, h, splits)](
         q, k_BHLD, v_BHLD, valid_BL, col_1, part, lse,
         sqb, sqh, k_BHLD.stride(0), k_BHLD.stride(1), v_BHLD.stride(0),
@@ -387,8 +396,7 @@ def decode_attention_qkv(qkv_SBN: torch.Tensor, q_norm: torch.Tensor, k_norm: to
     trainer/decode_matmul.py), or (1, B, N) in the model's dtype. Returns (B, Hkv, G, D) in the
     cache's dtype. `load()` must have run first."""
     b, h = qkv_SBN.shape[1], k_BHLD.shape[1]
-    split = SPLIT if SPLIT is not None else split_for(b * h, k_BHLD.device)
-    peel = PEEL if PEEL is not None else peel_for(b * h, k_BHLD.device)
+    split, peel = settings(b * h, k_BHLD.device)
     return launch_qkv(qkv_SBN, q_norm, k_norm, cos_BD, sin_BD, k_BHLD, v_BHLD, valid_BL, col_1,
                       heads, eps, split, peel)  # fmt: skip
 

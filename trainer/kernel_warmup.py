@@ -40,7 +40,7 @@ class Spec:
     device: int  # the worker's CUDA device index
     vocab: int
     sampler: bool  # rl.sample_kernel resolved to triton
-    # rl.decode_attention resolved to triton: the split its launches use (decode_attention.split_for:
+    # rl.decode_attention resolved to triton: the split its launches use (decode_attention.settings:
     # 0, one program per row and KV head; else splits of that many columns and their merge); None:
     # not the Triton attention
     attention: int | None
@@ -53,7 +53,7 @@ class Spec:
     # (decode_matmul.projections at the rows of an engine call); empty: cuBLAS
     matmul: list[list[int]] = field(default_factory=list)
     eps: float = 1e-6  # the q/k norms' (a constexpr of the attention's prologue)
-    # the fused attention's first tile loaded before its prologue (decode_attention.peel_for)
+    # the fused attention's first tile loaded before its prologue (decode_attention.settings)
     attention_peel: bool = False
     # the decode attention takes q, not the q/k/v projection (trainer/engine.py: a biased one)
     qkv_bias: bool = False
@@ -62,8 +62,8 @@ class Spec:
 def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[list[int]]) -> Spec:
     """The kernels a GRPO run of `cfg` launches on `device` (a GPU) and their shapes: the static
     engine's sampler and decode attention (the one-program kernel where a rank's rollout rows
-    fill the GPU, else the split kernel and its merge, as `decode_attention.split_for` decides
-    for the rows of each engine call), at the cache length of the longest prompt plus
+    fill the GPU, else the split kernel and its merge; its first tile peeled where its programs
+    are few per SM: `decode_attention.settings` for the rows of each engine call), at the cache length of the longest prompt plus
     rl.max_new_tokens; the decode matmuls at those rows; the update's log-prob kernel."""
     from launcher.memory import cache_length, engine_call_rows
     from trainer import decode_attention as da
@@ -78,14 +78,13 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
         rl.prompts_per_step // dp_size * rl.samples_per_prompt, rl.rollout_batch
     )
     kv = config.num_key_value_heads
+    split, peel = da.settings(rows * kv, device)  # as the engine's launches take them
     longest = max(map(len, prompt_ids), default=1)
     return Spec(
         device=device.index or 0,
         vocab=config.vocab_size,
         sampler=static and options["sampler"] == "triton",
-        attention=da.split_for(rows * kv, device)
-        if static and options["attention"] == "triton"
-        else None,
+        attention=split if static and options["attention"] == "triton" else None,
         kv_heads=kv,
         group=config.num_attention_heads // kv,
         head_dim=config.head_dim,  # as the engine reads it
@@ -95,7 +94,7 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
         if static and options["matmul"] == "triton" and rows <= dm.MAX_ROWS
         else [],
         eps=config.rms_norm_eps,
-        attention_peel=da.peel_for(rows * kv, device),
+        attention_peel=peel,
         qkv_bias=bool(getattr(config, "attention_bias", False)),
     )
 

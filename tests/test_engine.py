@@ -54,11 +54,26 @@ def reference_logprobs(model, rollout, temperature: float, top_p: float, top_k: 
     [(1.0, 0, 1, "sdpa"), (0.9, 0, 1, "sdpa"), (0.8, 20, 1, "sdpa"), (1.0, 0, 3, "sdpa"),
      (1.0, 0, 1, "triton")],
 )  # fmt: skip
-def test_sampling_logprobs_match_the_training_forward(top_p, top_k, spans, attention):
+def test_sampling_logprobs_match_the_training_forward(top_p, top_k, spans, attention, monkeypatch):
     """The engine records log p of each token under the distribution it really sampled from:
-    the full softmax, or the top-k / top-p cut renormalised."""
+    the full softmax, or the top-k / top-p cut renormalised. The Triton attention's two paths
+    both run: the interpreter counts as one SM, so the first call's 6 rows x 2 KV heads (12
+    programs) take the unfused path and the second call's 4 rows (8) the fused prologue."""
+    launched: list[tuple[str, int]] = []
     if attention == "triton":  # the GPU kernel, run by Triton's interpreter on CPU tensors
         triton_on_cpu_tensors()
+        from trainer import decode_attention as da
+
+        def spy(launch, fused: bool):
+            def recorded(*args, **kwargs):
+                out = launch(*args, **kwargs)
+                launched.append((fused, out.shape[0] * out.shape[1]))  # fused?, B x Hkv
+                return out
+
+            return recorded
+
+        monkeypatch.setattr(da, "launch", spy(da.launch, False))
+        monkeypatch.setattr(da, "launch_qkv", spy(da.launch_qkv, True))
     config = hf_config(compose_config().model)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -96,6 +111,8 @@ def test_sampling_logprobs_match_the_training_forward(top_p, top_k, spans, atten
             logp, _ = sequence_logprobs(model, batch, params.temperature)
         mask = batch.mask_NT.bool()
         assert (logp[mask] - batch.sampling_logp_NT[mask]).abs().max() < 1e-4
+    if attention == "triton":  # `fuse_for`: fused up to 8 programs per SM, unfused past it
+        assert set(launched) == {(False, 12), (True, 8)}, set(launched)
 
 
 def test_top_p_keeps_sampling_inside_the_nucleus():
@@ -260,7 +277,7 @@ def test_engine_calls_are_cut_evenly_and_padded_to_the_engine_batch():
     assert out.response_ids == [[i + 100] for i in range(7)] and len(out.truncated) == 7
 
 
-def test_compiled_decode_layer_ends_at_its_last_matmul():
+def test_compiled_decode_layer_ends_at_its_last_matmul(monkeypatch):
     """A decode step's layer under torch.compile (Inductor, here its CPU code) is three
     elementwise kernels beside its matmuls and the attention: the input norm with the previous
     layer's residual add, the output projection's add with the second norm, SiLU·up. The MLP's
@@ -270,7 +287,10 @@ def test_compiled_decode_layer_ends_at_its_last_matmul():
 
     from torch._inductor.utils import run_and_get_code
 
+    from trainer import decode_attention
+
     triton_on_cpu_tensors()
+    monkeypatch.setattr(decode_attention, "FUSE", True)  # the prologue in the attention kernel
     config = hf_config(compose_config().model)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -63,13 +63,18 @@ def test_the_spec_follows_the_run(monkeypatch):
     assert not hf.sampler and hf.attention is None and hf.logprob
     # 64 x 8 rows over 32 ranks: 16 each, 128 programs: splits of 128 columns and their merge
     assert spec(dp=32).attention == 128
-    # the fused attention's first tile peeled where its programs are few per SM: 4096 programs
-    # (31 per SM) no; a quarter of the rows, 1024 (7.8 per SM), and 128 yes
-    assert not s.attention_peel
+    # the attention's prologue fused, its first tile peeled, where its programs are few per SM:
+    # 4096 programs (31 per SM) no; a quarter of the rows, 1024 (7.8 per SM), and 128 yes
+    assert not s.attention_peel and not s.attention_fused
     assert spec(dp=4).attention_peel and spec(dp=32).attention_peel
+    assert spec(dp=4).attention_fused and spec(dp=32).attention_fused
     monkeypatch.setattr(decode_attention, "PEEL", False)  # a forced setting, as the engine takes it
-    assert not spec(dp=32).attention_peel
+    monkeypatch.setattr(decode_attention, "FUSE", False)
+    assert not spec(dp=32).attention_peel and not spec(dp=32).attention_fused
     monkeypatch.setattr(decode_attention, "PEEL", None)
+    monkeypatch.setattr(decode_attention, "FUSE", True)
+    assert spec().attention_fused
+    monkeypatch.setattr(decode_attention, "FUSE", None)
     # the decode matmuls: cuBLAS past 256 rows a call (the preset's 512), else each projection
     assert s.matmul == []
     q_kv, mlp = [[128, 6144, 2560], [128, 2560, 4096]], [[128, 19456, 2560], [128, 2560, 9728]]
@@ -122,14 +127,14 @@ def record_launches(monkeypatch) -> dict[str, set]:
     return seen
 
 
-@pytest.mark.parametrize("split", [0, 32])
-def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch, split):
+@pytest.mark.parametrize("split, fused", [(0, False), (32, True)])
+def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch, split, fused):
     """The point of the child: its launches have the signatures of the worker's own, so the
     kernels it compiles are the ones the worker loads. The engine (Triton sampler and attention:
-    one program per row and KV head, as on a GPU that the rows fill, or splits of 32 columns of
-    the 64-column cache and their merge, as where they do not) and the update's log-probs on a
-    tiny Qwen3, then `warm` for the same shapes: every signature the worker launched, the child
-    launched too."""
+    one program per row and KV head, unfused, as on a GPU that many rows fill, or splits of 32
+    columns of the 64-column cache and their merge, the prologue fused, as where few rows do not)
+    and the update's log-probs on a tiny Qwen3, then `warm` for the same shapes: every signature
+    the worker launched, the child launched too."""
     from transformers import AutoModelForCausalLM
 
     from launcher.memory import cache_length
@@ -145,6 +150,7 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch,
                                attention="triton", sampler="triton", matmul="triton")  # fmt: skip
     engine.model.load_state_dict(model.state_dict())
     monkeypatch.setattr(decode_attention, "split_for", lambda programs, device: split)
+    monkeypatch.setattr(decode_attention, "FUSE", fused)
     worker = record_launches(monkeypatch)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
     params = SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=3, eos_token_id=258,
@@ -168,6 +174,7 @@ def test_its_launches_compile_what_the_engine_and_the_update_launch(monkeypatch,
         matmul=[[len(prompts), n, k] for n, k in decode_matmul.projections(config)],
         eps=config.rms_norm_eps,
         attention_peel=decode_attention.settings(len(prompts) * config.num_key_value_heads, DEVICE)[1],
+        attention_fused=fused,
     )  # fmt: skip
     kernel_warmup.warm(spec, DEVICE, torch.float32, report=lambda name: None)
     for kernel, launched in worker.items():

@@ -46,13 +46,17 @@ WARPS = 4  # warps per program
 STAGES = 2  # software-pipelining stages of the column loop (one K/V tile loaded ahead)
 V_FIRST = True  # issue the V tile's load with K's, before the scores
 SMALL_GRID_SPLIT = 128  # SPLIT None: the split where B x Hkv programs are fewer than the SMs
-# The fused kernel: load the first K/V tile before the prologue, so that its read overlaps the
-# prologue's loads and arithmetic (the loop's pipelined loads are issued only after it). It pays
-# where few programs share an SM and nothing else hides that latency, and costs registers where
-# many do (H100, 2026-12-07, three runs each, docs/benchmarks.md: decode (a) -2.0% at batch 64,
-# 512 programs = 3.9 per SM; +2.1% at batch 256, 15.5 per SM).
-PEEL: bool | None = None  # None: by the grid (peel_for)
-PEEL_PROGRAMS_PER_SM = 8  # peel_for: peel up to this many programs per SM (between the two)
+# The fused kernel (`decode_attention_qkv`: the q/k norm, RoPE and cache write as its prologue)
+# pays where few programs share an SM, with its first K/V tile loaded before the prologue (PEEL)
+# so that the tile's read overlaps the prologue's loads and arithmetic. Where many programs share
+# an SM, other programs already hide the prologue's latency and its registers cost occupancy: the
+# engine then runs the three elementwise kernels and `decode_attention`, unpeeled. Measured on one
+# H100 (2026-12-07, docs/benchmarks.md, decode (a)): at batch 64 (512 programs, 3.9 per SM) the
+# peel -2.0% and fused-and-peeled 1.380 s against 1.395-1.399 s unfused; at batch 256 (15.5 per
+# SM) the peel +2.1% and unfused 2.628-2.630 s against 2.666-2.671 s fused.
+FUSE: bool | None = None  # None: by the grid (few_per_sm)
+PEEL: bool | None = None  # None: by the grid (few_per_sm)
+FEW_PROGRAMS_PER_SM = 8  # few_per_sm: at most this many programs per SM (between 3.9 and 15.5)
 
 
 _kernels: Any = None  # (split, merge) @triton.jit functions, once load() has built them
@@ -267,9 +271,16 @@ def split_for(programs: int, device: torch.device) -> int:
     return 0 if programs >= sm_count(device) else SMALL_GRID_SPLIT
 
 
-def peel_for(programs: int, device: torch.device) -> bool:
-    """PEEL None: peel the fused kernel's first tile where its programs are few per SM."""
-    return programs <= PEEL_PROGRAMS_PER_SM * sm_count(device)
+def few_per_sm(programs: int, sms: int) -> bool:
+    """Where the fused kernel, peeled, pays: at most FEW_PROGRAMS_PER_SM programs per SM."""
+    return programs <= FEW_PROGRAMS_PER_SM * sms
+
+
+def fuse_for(programs: int, sms: int) -> bool:
+    """Whether the engine's decode step launches `decode_attention_qkv` (the prologue fused) for
+    `programs` (B x Hkv) programs on `sms` SMs: FUSE where set, else by the grid. Takes the SM
+    count, not the device, so that the traced decode step decides it from ints alone."""
+    return FUSE if FUSE is not None else few_per_sm(programs, sms)
 
 
 def settings(programs: int, device: torch.device) -> tuple[int, bool]:
@@ -277,7 +288,7 @@ def settings(programs: int, device: torch.device) -> tuple[int, bool]:
     they are set, else chosen by the grid. The engine's launches and the kernel warm-up's spec
     (trainer/kernel_warmup.py) both take them from here, so the warm-up compiles what runs."""
     split = SPLIT if SPLIT is not None else split_for(programs, device)
-    return split, PEEL if PEEL is not None else peel_for(programs, device)
+    return split, PEEL if PEEL is not None else few_per_sm(programs, sm_count(device))
 
 
 def pow2(n: int, least: int = 1) -> int:

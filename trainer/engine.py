@@ -216,6 +216,7 @@ class FusedQwen3:
         self.grouped = model.config.num_attention_heads != model.config.num_key_value_heads
         if attention == "triton":
             triton_attention.load()
+        self.sms = triton_attention.sm_count(device)  # an int for `fuse_for` in the traced step
         self.inv_freq = model.model.rotary_emb.inv_freq.float().to(device)
         # each layer's tensors in `decoder_layer`'s order: the engine's own parameters (the weight
         # refresh writes them in place), q/k/v and gate/up fused
@@ -283,9 +284,11 @@ class FusedQwen3:
         linear = triton_matmul.linear if skinny else F.linear
         x = x + r
         h = rms_norm(x, norm1, eps)
-        if t == 1 and self.attention == "triton" and qkv_b is None:
-            # a decode step: the q/k norm, RoPE and the K/V cache write are the attention
-            # kernel's prologue, which reads the projection's partial sums (no kernels between)
+        if (t == 1 and self.attention == "triton" and qkv_b is None
+                and triton_attention.fuse_for(b * nkv, self.sms)):  # fmt: skip
+            # a decode step of few programs per SM: the q/k norm, RoPE and the K/V cache write are
+            # the attention kernel's prologue, which reads the projection's partial sums (no
+            # kernels between); with many, the unfused path below is faster (`fuse_for`)
             qkv = (triton_matmul.decode_linear(h.view(b, -1), qkv_w) if skinny
                    else F.linear(h, qkv_w).view(1, b, -1))  # fmt: skip
             o = triton_attention.decode_attention_qkv(

@@ -55,15 +55,17 @@ class Spec:
     eps: float = 1e-6  # the q/k norms' (a constexpr of the attention's prologue)
     # the fused attention's first tile loaded before its prologue (decode_attention.settings)
     attention_peel: bool = False
-    # the decode attention takes q, not the q/k/v projection (trainer/engine.py: a biased one)
-    qkv_bias: bool = False
+    # the engine launches the attention with its prologue fused (`decode_attention_qkv`, from the
+    # q/k/v projection: decode_attention.fuse_for, and no q/k/v bias), else `decode_attention`
+    attention_fused: bool = True
 
 
 def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[list[int]]) -> Spec:
     """The kernels a GRPO run of `cfg` launches on `device` (a GPU) and their shapes: the static
     engine's sampler and decode attention (the one-program kernel where a rank's rollout rows
-    fill the GPU, else the split kernel and its merge; its first tile peeled where its programs
-    are few per SM: `decode_attention.settings` for the rows of each engine call), at the cache length of the longest prompt plus
+    fill the GPU, else the split kernel and its merge; with its prologue fused and its first
+    tile peeled where its programs are few per SM: `decode_attention.settings` and `fuse_for`
+    for the rows of each engine call), at the cache length of the longest prompt plus
     rl.max_new_tokens; the decode matmuls at those rows; the update's log-prob kernel."""
     from launcher.memory import cache_length, engine_call_rows
     from trainer import decode_attention as da
@@ -79,6 +81,8 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
     )
     kv = config.num_key_value_heads
     split, peel = da.settings(rows * kv, device)  # as the engine's launches take them
+    biased = bool(getattr(config, "attention_bias", False))  # the engine's unfused path
+    fused = not biased and da.fuse_for(rows * kv, da.sm_count(device))
     longest = max(map(len, prompt_ids), default=1)
     return Spec(
         device=device.index or 0,
@@ -95,7 +99,7 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
         else [],
         eps=config.rms_norm_eps,
         attention_peel=peel,
-        qkv_bias=bool(getattr(config, "attention_bias", False)),
+        attention_fused=fused,
     )
 
 
@@ -149,7 +153,7 @@ def warm(spec: Spec, device: torch.device, dtype: torch.dtype = torch.bfloat16,
         col = torch.zeros(1, dtype=torch.long, device=device)
         # one program per row and KV head over the whole cache (batches that fill the GPU), or
         # splits of spec.attention columns and their merge (whose split count follows the length)
-        if spec.qkv_bias:
+        if not spec.attention_fused:
             q = torch.zeros((1, kv, spec.group, hd), dtype=dtype, device=device)
             k = torch.zeros((1, kv, length, hd), dtype=dtype, device=device)
             da.launch(q, k, k, torch.ones((1, length), dtype=torch.bool, device=device), col,

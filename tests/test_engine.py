@@ -59,7 +59,7 @@ def test_sampling_logprobs_match_the_training_forward(top_p, top_k, spans, atten
     the full softmax, or the top-k / top-p cut renormalised. The Triton attention's two paths
     both run: the interpreter counts as one SM, so the first call's 6 rows x 2 KV heads (12
     programs) take the unfused path and the second call's 4 rows (8) the fused prologue."""
-    launched: list[tuple[str, int]] = []
+    launched: list[tuple[bool, int]] = []
     if attention == "triton":  # the GPU kernel, run by Triton's interpreter on CPU tensors
         triton_on_cpu_tensors()
         from trainer import decode_attention as da

@@ -74,6 +74,11 @@ def test_the_spec_follows_the_run(monkeypatch):
     monkeypatch.setattr(decode_attention, "PEEL", None)
     monkeypatch.setattr(decode_attention, "FUSE", True)
     assert spec().attention_fused
+    # a biased q/k/v projection takes the unfused path whatever FUSE says (the prologue adds none)
+    cfg = compose_config("model=qwen3_4b", "model.init=random")
+    biased = hf_config(cfg.model)
+    biased.attention_bias = True
+    assert not kernel_warmup.spec_for(cfg, biased, gpu, 4, prompts).attention_fused
     monkeypatch.setattr(decode_attention, "FUSE", None)
     # the decode matmuls: cuBLAS past 256 rows a call (the preset's 512), else each projection
     assert s.matmul == []

@@ -276,10 +276,14 @@ def few_per_sm(programs: int, sms: int) -> bool:
     return programs <= FEW_PROGRAMS_PER_SM * sms
 
 
-def fuse_for(programs: int, sms: int) -> bool:
+def fuse_for(programs: int, sms: int, biased: bool) -> bool:
     """Whether the engine's decode step launches `decode_attention_qkv` (the prologue fused) for
-    `programs` (B x Hkv) programs on `sms` SMs: FUSE where set, else by the grid. Takes the SM
-    count, not the device, so that the traced decode step decides it from ints alone."""
+    `programs` (B x Hkv) programs on `sms` SMs: never for a biased q/k/v projection (the
+    prologue adds no bias), else FUSE where set, else by the grid. The engine and the kernel
+    warm-up's spec both ask here. Takes the SM count, not the device, so that the traced decode
+    step decides it from ints alone."""
+    if biased:
+        return False
     return FUSE if FUSE is not None else few_per_sm(programs, sms)
 
 

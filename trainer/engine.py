@@ -284,8 +284,11 @@ class FusedQwen3:
         linear = triton_matmul.linear if skinny else F.linear
         x = x + r
         h = rms_norm(x, norm1, eps)
-        if (t == 1 and self.attention == "triton" and qkv_b is None
-                and triton_attention.fuse_for(b * nkv, self.sms)):  # fmt: skip
+        if (
+            t == 1
+            and self.attention == "triton"
+            and triton_attention.fuse_for(b * nkv, self.sms, biased=qkv_b is not None)
+        ):
             # a decode step of few programs per SM: the q/k norm, RoPE and the K/V cache write are
             # the attention kernel's prologue, which reads the projection's partial sums (no
             # kernels between); with many, the unfused path below is faster (`fuse_for`)

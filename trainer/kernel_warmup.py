@@ -56,7 +56,7 @@ class Spec:
     # the fused attention's first tile loaded before its prologue (decode_attention.settings)
     attention_peel: bool = False
     # the engine launches the attention with its prologue fused (`decode_attention_qkv`, from the
-    # q/k/v projection: decode_attention.fuse_for, and no q/k/v bias), else `decode_attention`
+    # q/k/v projection: decode_attention.fuse_for), else `decode_attention`
     attention_fused: bool = True
 
 
@@ -81,8 +81,8 @@ def spec_for(cfg, config, device: torch.device, dp_size: int, prompt_ids: list[l
     )
     kv = config.num_key_value_heads
     split, peel = da.settings(rows * kv, device)  # as the engine's launches take them
-    biased = bool(getattr(config, "attention_bias", False))  # the engine's unfused path
-    fused = not biased and da.fuse_for(rows * kv, da.sm_count(device))
+    biased = bool(getattr(config, "attention_bias", False))
+    fused = da.fuse_for(rows * kv, da.sm_count(device), biased)  # as the engine decides it
     longest = max(map(len, prompt_ids), default=1)
     return Spec(
         device=device.index or 0,

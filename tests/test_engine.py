@@ -50,15 +50,19 @@ def reference_logprobs(model, rollout, temperature: float, top_p: float, top_k: 
 
 
 @pytest.mark.parametrize(
-    "top_p, top_k, spans, attention",
-    [(1.0, 0, 1, "sdpa"), (0.9, 0, 1, "sdpa"), (0.8, 20, 1, "sdpa"), (1.0, 0, 3, "sdpa"),
-     (1.0, 0, 1, "triton")],
+    "top_p, top_k, spans, attention, bias",
+    [(1.0, 0, 1, "sdpa", False), (0.9, 0, 1, "sdpa", False), (0.8, 20, 1, "sdpa", False),
+     (1.0, 0, 3, "sdpa", False), (1.0, 0, 1, "triton", False), (1.0, 0, 1, "triton", True)],
 )  # fmt: skip
-def test_sampling_logprobs_match_the_training_forward(top_p, top_k, spans, attention, monkeypatch):
+def test_sampling_logprobs_match_the_training_forward(
+    top_p, top_k, spans, attention, bias, monkeypatch
+):
     """The engine records log p of each token under the distribution it really sampled from:
     the full softmax, or the top-k / top-p cut renormalised. The Triton attention's two paths
     both run: the interpreter counts as one SM, so the first call's 6 rows x 2 KV heads (12
-    programs) take the unfused path and the second call's 4 rows (8) the fused prologue."""
+    programs) take the unfused path and the second call's 4 rows (8) the fused prologue, unless
+    the q/k/v projection has a bias (`attention_bias`), which the fused prologue does not add:
+    then both calls go unfused."""
     launched: list[tuple[bool, int]] = []
     if attention == "triton":  # the GPU kernel, run by Triton's interpreter on CPU tensors
         triton_on_cpu_tensors()
@@ -75,8 +79,13 @@ def test_sampling_logprobs_match_the_training_forward(top_p, top_k, spans, atten
         monkeypatch.setattr(da, "launch", spy(da.launch, False))
         monkeypatch.setattr(da, "launch_qkv", spy(da.launch_qkv, True))
     config = hf_config(compose_config().model)
+    config.attention_bias = bias
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if bias:  # initialised to zero: make them count
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
     engine = StaticCacheEngine(
         config, torch.float32, torch.device("cpu"), compile=False, spans=spans, attention=attention
     )
@@ -112,7 +121,8 @@ def test_sampling_logprobs_match_the_training_forward(top_p, top_k, spans, atten
         mask = batch.mask_NT.bool()
         assert (logp[mask] - batch.sampling_logp_NT[mask]).abs().max() < 1e-4
     if attention == "triton":  # `fuse_for`: fused up to 8 programs per SM, unfused past it
-        assert set(launched) == {(False, 12), (True, 8)}, set(launched)
+        expected_launches = {(False, 12), (not bias, 8)}  # never fused with a q/k/v bias
+        assert set(launched) == expected_launches, set(launched)
 
 
 def test_top_p_keeps_sampling_inside_the_nucleus():
